@@ -1,0 +1,64 @@
+"""Drives iteration-based normalization schedules (PRepBN's LN -> RepBN decay, UN's steps)."""
+from typing import Optional
+
+import torch.nn as nn
+from mmengine.hooks import Hook
+from mmengine.model import is_model_wrapper
+
+from mmslab.registry import register_hook
+
+
+def set_progressive_iter(model: nn.Module, cur_iter: int) -> int:
+    """Set the training iteration on every module with a ``set_iter`` method.
+
+    Returns the number of modules set. Use it in a plain PyTorch loop before each iteration.
+    """
+    if is_model_wrapper(model):
+        model = model.module
+    count = 0
+    for m in model.modules():
+        if hasattr(m, 'set_iter') and callable(m.set_iter):
+            m.set_iter(cur_iter)
+            count += 1
+    return count
+
+
+def progressive_ratio(model: nn.Module) -> Optional[float]:
+    """The LayerNorm weight ``g`` of the first PRepBN in ``model`` (None if there is none)."""
+    if is_model_wrapper(model):
+        model = model.module
+    for m in model.modules():
+        if type(m).__name__ == 'PRepBN' and not m.deploy:
+            return m.ratio
+    return None
+
+
+@register_hook()
+class ProgressiveNormHook(Hook):
+    """Sets the training iteration on PRepBN/UN layers before every training iteration.
+
+    The schedule is a function of ``runner.iter`` (so gradient accumulation or extra forward
+    passes do not move it) and the iteration is also stored in each layer's buffers, so a
+    resumed run continues the schedule exactly. The current ``g`` is logged as
+    ``prepbn_ratio``.
+
+    Args:
+        log_ratio: log ``g`` with the training scalars.
+    """
+
+    priority = 'VERY_HIGH'
+
+    def __init__(self, log_ratio: bool = True):
+        self.log_ratio = log_ratio
+
+    def before_train(self, runner) -> None:
+        count = set_progressive_iter(runner.model, runner.iter)
+        runner.logger.info(f'ProgressiveNormHook drives {count} norm layers from iteration '
+                           f'{runner.iter}')
+
+    def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
+        set_progressive_iter(runner.model, runner.iter)
+        if self.log_ratio:
+            g = progressive_ratio(runner.model)
+            if g is not None:
+                runner.message_hub.update_scalar('train/prepbn_ratio', g)

@@ -1,0 +1,3 @@
+from .swin import PRepBNSwin, RePaSwin, ReparamSwinTransformer, SLABSwin
+
+__all__ = ['ReparamSwinTransformer', 'PRepBNSwin', 'SLABSwin', 'RePaSwin']

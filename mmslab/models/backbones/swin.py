@@ -1,0 +1,340 @@
+"""One configurable Swin Transformer with pluggable norm, attention and FFN.
+
+With LayerNorm, window attention and the MLP it is mmdet's ``SwinTransformer`` (same argument
+names, same parameter names, same outputs); PRepBN-Swin, SLAB-Swin and RePa-Swin are presets.
+"""
+import copy
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as cp
+from mmcv.cnn.bricks.drop import DropPath
+from mmengine.logging import MMLogger
+from mmengine.model import BaseModule
+from mmengine.model.weight_init import constant_init, trunc_normal_init
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from mmslab.registry import register_model
+from ..layers.affine import FoldableNorm, fold_affine_into_next_linear
+from ..layers.ffn import ChannelIdleFFN, SwinFFN
+from ..layers.norm import build_norm, check_norm_cfg, is_foldable_norm
+from ..layers.patch import PatchEmbed, PatchMerging
+from ..layers.shift_window import ATTENTION_TYPES, ShiftWindowAttention
+
+FFN_TYPES = ('mlp', 'channel_idle')
+BN_STATS = ('train', 'frozen')
+
+
+class SwinBlock(nn.Module):
+    """``x + DropPath(attn(norm1(x)))`` then the FFN with its residual.
+
+    ``ffn_type='mlp'``: ``x + DropPath(ffn(norm2(x)))``. ``ffn_type='channel_idle'``: the
+    FFN carries its own BatchNorms and residual (RePaFormer), so there is no ``norm2``.
+    In deploy form ``norm1`` lives in the attention's qkv and ``norm2`` in the FFN's fc1.
+
+    Shape: ``[B, H*W, C]`` -> ``[B, H*W, C]``.
+    """
+
+    def __init__(self, embed_dims: int, num_heads: int, feedforward_channels: int,
+                 window_size: int = 7, shift: bool = False, attn_type: str = 'window',
+                 ffn_type: str = 'mlp', idle_ratio: float = 0.75, qkv_bias: bool = True,
+                 qk_scale=None, drop_rate: float = 0.0, attn_drop_rate: float = 0.0,
+                 drop_path_rate: float = 0.0, act_cfg: Optional[dict] = None,
+                 norm_cfg: Optional[dict] = None, with_cp: bool = False, deploy: bool = False):
+        super().__init__()
+        norm_cfg = norm_cfg or dict(type='LN')
+        if ffn_type not in FFN_TYPES:
+            raise ValueError(f'unknown ffn_type {ffn_type!r}; valid types: {FFN_TYPES}')
+        self.with_cp = with_cp
+        self.ffn_type = ffn_type
+        self.deploy = deploy
+        fold = deploy and is_foldable_norm(norm_cfg)
+        self.norm1 = nn.Identity() if fold else build_norm(norm_cfg, embed_dims, deploy=deploy)
+        self.attn = ShiftWindowAttention(
+            embed_dims, num_heads, window_size, shift=shift, attn_type=attn_type,
+            qkv_bias=qkv_bias or fold, qk_scale=qk_scale, attn_drop=attn_drop_rate,
+            proj_drop=drop_rate, deploy=deploy)
+        if fold and not self.attn.w_msa.masks_padding:
+            # Padded tokens must keep the value a zero *normalized* token has after qkv.
+            self.attn.w_msa.register_buffer('qkv_pad', torch.zeros(3 * embed_dims))
+        self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0 else nn.Identity()
+        if ffn_type == 'mlp':
+            self.norm2 = nn.Identity() if fold else build_norm(norm_cfg, embed_dims,
+                                                               deploy=deploy)
+            self.ffn = SwinFFN(embed_dims, feedforward_channels, act_cfg, drop_rate)
+        else:
+            self.ffn = ChannelIdleFFN(embed_dims, feedforward_channels, idle_ratio, act_cfg,
+                                      drop_rate, drop_path_rate, deploy=deploy)
+
+    def _forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x), hw_shape))
+        if self.ffn_type == 'mlp':
+            return x + self.drop_path(self.ffn(self.norm2(x)))
+        return self.ffn(x)
+
+    def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
+        if self.with_cp and x.requires_grad and self.training:
+            return cp.checkpoint(self._forward, x, hw_shape, use_reentrant=False)
+        return self._forward(x, hw_shape)
+
+    @torch.no_grad()
+    def switch_to_deploy(self) -> None:
+        if self.deploy:
+            return
+        if self.training:
+            raise RuntimeError('SwinBlock.switch_to_deploy() needs eval mode')
+        kernel = self.attn.w_msa
+        if isinstance(self.norm1, FoldableNorm):
+            if not kernel.masks_padding:
+                qkv = kernel.qkv
+                pad = qkv.bias.detach().clone() if qkv.bias is not None else \
+                    qkv.weight.new_zeros(qkv.out_features)
+                kernel.register_buffer('qkv_pad', pad)
+            kernel.qkv = fold_affine_into_next_linear(kernel.qkv, *self.norm1.fused_affine())
+            self.norm1 = nn.Identity()
+        if self.ffn_type == 'mlp' and isinstance(self.norm2, FoldableNorm):
+            self.ffn.absorb_input_affine(*self.norm2.fused_affine())
+            self.norm2 = nn.Identity()
+        for m in (kernel, self.ffn):
+            if hasattr(m, 'switch_to_deploy'):
+                m.switch_to_deploy()
+        self.deploy = True
+
+
+class SwinStage(nn.Module):
+    """Blocks of one stage (shift on odd blocks), then optional patch merging."""
+
+    def __init__(self, depth: int, downsample_channels: Optional[int], block_kwargs: dict,
+                 drop_path_rates: Sequence[float], norm_cfg: dict, deploy: bool = False):
+        super().__init__()
+        self.blocks = nn.ModuleList([
+            SwinBlock(shift=i % 2 == 1, drop_path_rate=drop_path_rates[i], norm_cfg=norm_cfg,
+                      deploy=deploy, **block_kwargs) for i in range(depth)])
+        self.downsample = None if downsample_channels is None else PatchMerging(
+            block_kwargs['embed_dims'], downsample_channels, norm_cfg=norm_cfg, deploy=deploy)
+
+    def forward(self, x: Tensor, hw_shape: Tuple[int, int]):
+        for block in self.blocks:
+            x = block(x, hw_shape)
+        if self.downsample is None:
+            return x, hw_shape, x, hw_shape
+        x_down, down_hw = self.downsample(x, hw_shape)
+        return x_down, down_hw, x, hw_shape
+
+
+@register_model()
+class ReparamSwinTransformer(BaseModule):
+    """Swin Transformer with pluggable normalization, attention and FFN per stage.
+
+    Arguments mean what they mean in mmdet's ``SwinTransformer``; in addition:
+
+    Args:
+        arch: ``'tiny'``, ``'small'`` or ``'base'``: defaults for ``embed_dims``, ``depths``
+            and ``num_heads`` (each overridable).
+        window_size: int, or one int per stage.
+        norm_cfg: every norm (patch embed, blocks, patch merging, outputs): ``LN``, ``RepBN``,
+            ``PRepBN``, ``UN`` or ``TokenBN``.
+        out_norm_cfg: the output norms, default ``norm_cfg``.
+        attn_types: per stage, one of ``'window'``, ``'sla'``, ``'binorm'``.
+        ffn_type: ``'mlp'`` or ``'channel_idle'`` (RePaFormer; BN inside the FFN).
+        idle_ratio: fraction of idle hidden channels of the channel-idle FFN.
+        bn_stats: ``'train'`` updates BatchNorm running statistics while training;
+            ``'frozen'`` keeps every BatchNorm-type layer (BN, RepBN's BN, channel-idle FFN BN,
+            UN) in eval mode, as the SLAB authors did when fine-tuning detectors with small
+            per-GPU batches; their affine weights and ``alpha`` still train.
+        deploy: build the fused structure (see :func:`mmslab.reparameterize`).
+
+    Returns a tuple of NCHW maps for ``out_indices`` (strides 4, 8, 16, 32).
+    """
+
+    arch_zoo = {
+        'tiny': dict(embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24)),
+        'small': dict(embed_dims=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24)),
+        'base': dict(embed_dims=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
+    }
+
+    def __init__(self, arch: str = 'tiny', pretrain_img_size=224, in_channels: int = 3,
+                 embed_dims: Optional[int] = None, patch_size: int = 4, window_size=7,
+                 mlp_ratio: float = 4, depths: Optional[Sequence[int]] = None,
+                 num_heads: Optional[Sequence[int]] = None, strides=(4, 2, 2, 2),
+                 out_indices=(0, 1, 2, 3), qkv_bias: bool = True, qk_scale=None,
+                 patch_norm: bool = True, drop_rate: float = 0.0, attn_drop_rate: float = 0.0,
+                 drop_path_rate: float = 0.1, use_abs_pos_embed: bool = False,
+                 act_cfg: Optional[dict] = None, norm_cfg: Optional[dict] = None,
+                 out_norm_cfg: Optional[dict] = None, attn_types=('window', ) * 4,
+                 ffn_type: str = 'mlp', idle_ratio: float = 0.75, bn_stats: str = 'train',
+                 with_cp: bool = False, pretrained=None, convert_weights: bool = False,
+                 frozen_stages: int = -1, deploy: bool = False, init_cfg=None):
+        if arch not in self.arch_zoo:
+            raise ValueError(f'unknown arch {arch!r}; valid: {tuple(self.arch_zoo)}')
+        if pretrained is not None:
+            if init_cfg is not None:
+                raise ValueError('init_cfg and pretrained cannot be set at the same time')
+            init_cfg = dict(type='Pretrained', checkpoint=pretrained)
+        super().__init__(init_cfg=init_cfg)
+        preset = self.arch_zoo[arch]
+        embed_dims = embed_dims or preset['embed_dims']
+        depths = tuple(depths or preset['depths'])
+        num_heads = tuple(num_heads or preset['num_heads'])
+        num_stages = len(depths)
+        if len(num_heads) != num_stages or len(strides) != num_stages:
+            raise ValueError(f'depths {depths}, num_heads {num_heads} and strides {strides} '
+                             'must have one entry per stage')
+        window_sizes = tuple(window_size) if isinstance(window_size, (list, tuple)) else (
+            window_size, ) * num_stages
+        attn_types = (attn_types, ) * num_stages if isinstance(attn_types, str) else tuple(
+            attn_types)
+        if len(window_sizes) != num_stages or len(attn_types) != num_stages:
+            raise ValueError('window_size and attn_types need one entry per stage')
+        for t in attn_types:
+            if t not in ATTENTION_TYPES:
+                raise ValueError(f'unknown attention type {t!r}; valid: {tuple(ATTENTION_TYPES)}')
+        if bn_stats not in BN_STATS:
+            raise ValueError(f'bn_stats must be one of {BN_STATS}, got {bn_stats!r}')
+        if use_abs_pos_embed:
+            raise ValueError('use_abs_pos_embed is not supported (Swin detectors do not use it)')
+        if not all(0 <= i < num_stages for i in out_indices):
+            raise ValueError(f'out_indices {out_indices} out of range for {num_stages} stages')
+        self.norm_cfg = check_norm_cfg(copy.deepcopy(norm_cfg or dict(type='LN')))
+        self.out_norm_cfg = check_norm_cfg(copy.deepcopy(out_norm_cfg or self.norm_cfg),
+                                           'out_norm_cfg')
+        self.arch, self.embed_dims, self.depths, self.num_heads = arch, embed_dims, depths, \
+            num_heads
+        self.window_sizes, self.attn_types = window_sizes, attn_types
+        self.out_indices = tuple(out_indices)
+        self.frozen_stages = frozen_stages
+        self.bn_stats = bn_stats
+        self.convert_weights = convert_weights
+        self.pretrain_img_size = pretrain_img_size
+        self.deploy = deploy
+        if strides[0] != patch_size:
+            raise ValueError('the first stride must equal patch_size')
+
+        self.patch_embed = PatchEmbed(in_channels, embed_dims, patch_size, strides[0],
+                                      self.norm_cfg if patch_norm else None, deploy=deploy)
+        self.drop_after_pos = nn.Dropout(drop_rate)
+        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        self.stages = nn.ModuleList()
+        in_ch = embed_dims
+        self.num_features = []
+        for i in range(num_stages):
+            block_kwargs = dict(
+                embed_dims=in_ch, num_heads=num_heads[i],
+                feedforward_channels=int(mlp_ratio * in_ch), window_size=window_sizes[i],
+                attn_type=attn_types[i], ffn_type=ffn_type, idle_ratio=idle_ratio,
+                qkv_bias=qkv_bias, qk_scale=qk_scale, drop_rate=drop_rate,
+                attn_drop_rate=attn_drop_rate, act_cfg=act_cfg, with_cp=with_cp)
+            out_ch = in_ch * 2 if i < num_stages - 1 else None
+            if out_ch is not None and strides[i + 1] != 2:
+                raise ValueError('patch merging downsamples by 2: strides[1:] must be 2')
+            self.stages.append(SwinStage(depths[i], out_ch, block_kwargs,
+                                         dpr[sum(depths[:i]):sum(depths[:i + 1])],
+                                         self.norm_cfg, deploy=deploy))
+            self.num_features.append(in_ch)
+            in_ch = out_ch or in_ch
+        for i in self.out_indices:
+            self.add_module(f'norm{i}', build_norm(self.out_norm_cfg, self.num_features[i],
+                                                   deploy=deploy, what='out_norm_cfg'))
+
+    # -- training-mode policy -------------------------------------------------------------
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self._freeze_stages()
+        if mode and self.bn_stats == 'frozen':
+            for m in self.modules():
+                if isinstance(m, _BatchNorm) or type(m).__name__ == 'UN':
+                    m.eval()
+        return self
+
+    def _freeze_stages(self) -> None:
+        def freeze(m: nn.Module):
+            m.eval()
+            for p in m.parameters():
+                p.requires_grad = False
+
+        if self.frozen_stages >= 0:
+            freeze(self.patch_embed)
+        for i in range(1, self.frozen_stages + 1):
+            if (i - 1) in self.out_indices:
+                freeze(getattr(self, f'norm{i - 1}'))
+            freeze(self.stages[i - 1])
+
+    # -- weights --------------------------------------------------------------------------
+    def init_weights(self) -> None:
+        if self.init_cfg is not None and self.init_cfg.get('type') == 'Pretrained':
+            from ..checkpoint_utils import load_pretrained_backbone
+            load_pretrained_backbone(self, self.init_cfg['checkpoint'],
+                                     prefix=self.init_cfg.get('prefix'),
+                                     logger=MMLogger.get_current_instance())
+            return
+        if self.init_cfg is not None:
+            super().init_weights()
+            return
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_init(m, std=.02, bias=0.)
+            elif isinstance(m, nn.LayerNorm):
+                constant_init(m, val=1.0, bias=0.)
+        for m in self.modules():
+            if hasattr(m, 'init_weights') and m is not self and not isinstance(m, BaseModule):
+                m.init_weights()
+
+    # -- forward --------------------------------------------------------------------------
+    def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
+        x, hw_shape = self.patch_embed(x)
+        x = self.drop_after_pos(x)
+        outs = []
+        for i, stage in enumerate(self.stages):
+            x, hw_shape, out, out_hw = stage(x, hw_shape)
+            if i in self.out_indices:
+                out = getattr(self, f'norm{i}')(out)
+                outs.append(out.view(-1, *out_hw, self.num_features[i]).permute(0, 3, 1, 2)
+                            .contiguous())
+        return tuple(outs)
+
+    def switch_to_deploy(self) -> None:
+        """Fold every foldable structure (see :func:`mmslab.reparameterize`)."""
+        if self.training:
+            raise RuntimeError('switch_to_deploy() needs eval mode: call model.eval() first')
+        from ..reparam import deploy_children
+        deploy_children(self)
+        self.deploy = True
+
+
+def _preset_defaults(defaults: dict, kwargs: dict) -> dict:
+    merged = copy.deepcopy(defaults)
+    merged.update(kwargs)
+    return merged
+
+
+@register_model()
+class PRepBNSwin(ReparamSwinTransformer):
+    """Swin with every LayerNorm replaced by progressive PRepBN (the SLAB detection setting)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**_preset_defaults(
+            dict(norm_cfg=dict(type='PRepBN', step=300000)), kwargs))
+
+
+@register_model()
+class SLABSwin(ReparamSwinTransformer):
+    """SLAB-Swin: PRepBN everywhere, SLA in stages 1-2 (windows 56 and 28, shifted on odd
+    blocks), shifted-window softmax attention in stages 3-4 (window 7)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**_preset_defaults(
+            dict(norm_cfg=dict(type='PRepBN', step=300000), window_size=(56, 28, 7, 7),
+                 attn_types=('sla', 'sla', 'window', 'window')), kwargs))
+
+
+@register_model()
+class RePaSwin(ReparamSwinTransformer):
+    """RePa-Swin: channel-idle FFN (BN inside, ``idle_ratio`` 0.75) with LayerNorm before
+    attention, as in the authors' model. Pass ``norm_cfg=dict(type='PRepBN', ...)`` for the
+    fully fusable variant."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**_preset_defaults(
+            dict(ffn_type='channel_idle', idle_ratio=0.75, norm_cfg=dict(type='LN')), kwargs))

@@ -1,0 +1,19 @@
+from .affine import (ChannelAffine, FoldableNorm, fold_affine_into_next_conv1x1,
+                     fold_affine_into_next_linear, fold_affine_into_prev)
+from .ffn import ChannelIdleFFN, SwinFFN
+from .linear_attention import SLA, BiNormAttention
+from .norm import NORM_TYPES, build_norm, is_foldable_norm
+from .patch import PatchEmbed, PatchMerging
+from .repbn import PRepBN, RepBN
+from .shift_window import ATTENTION_TYPES, ShiftWindowAttention
+from .token_bn import TokenBN
+from .unified_norm import UN
+from .window_attention import WindowMSA
+
+__all__ = [
+    'ChannelAffine', 'FoldableNorm', 'fold_affine_into_next_conv1x1',
+    'fold_affine_into_next_linear', 'fold_affine_into_prev', 'ChannelIdleFFN', 'SwinFFN', 'SLA',
+    'BiNormAttention', 'NORM_TYPES', 'build_norm', 'is_foldable_norm', 'PatchEmbed',
+    'PatchMerging', 'PRepBN', 'RepBN', 'ATTENTION_TYPES', 'ShiftWindowAttention', 'TokenBN',
+    'UN', 'WindowMSA'
+]

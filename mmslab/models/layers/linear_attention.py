@@ -1,0 +1,123 @@
+"""Linear-complexity window attentions: simplified linear attention (SLA) and BiNorm.
+
+Both compute ``K^T V`` first, so time and memory grow linearly with the tokens per window,
+and both exclude padded tokens exactly (padding never changes the valid tokens' outputs).
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mmengine.model.weight_init import trunc_normal_
+from torch import Tensor
+
+from mmslab.registry import register_model
+from .window_attention import WindowKernelBase
+
+
+def _split_heads(t: Tensor, num_heads: int) -> Tensor:
+    """``[B, N, C]`` -> ``[B, heads, N, C/heads]``."""
+    b, n, c = t.shape
+    return t.view(b, n, num_heads, c // num_heads).transpose(1, 2)
+
+
+def _merge_heads(t: Tensor) -> Tensor:
+    """``[B, heads, N, d]`` -> ``[B, N, heads*d]``."""
+    b, h, n, d = t.shape
+    return t.transpose(1, 2).reshape(b, n, h * d)
+
+
+@register_model()
+class SLA(WindowKernelBase):
+    """Simplified linear attention (SLAB, eq. 9) inside windows.
+
+    Per head ``O_i = relu(q_i) S / (relu(q_i) z + 1e-6) + DWC(V)_i`` with
+    ``S = sum_j relu(k_j + p_j)^T v_j`` and ``z = sum_j relu(k_j + p_j)``; ``p`` is a learned
+    positional encoding on K (``[1, window_tokens, C]``) and DWC a depth-wise conv over the
+    head channels of V on the window grid, shared by all heads. No softmax, no scale, no
+    shift mask. Computed in float32 even under autocast (the kernel sums are large).
+    When a feature map fits inside one window the window shrinks to the map (the positional
+    encoding is cropped), which is exact because padding is masked.
+    """
+
+    uses_shift_mask = False
+    masks_padding = True
+    eps = 1e-6
+
+    def __init__(self, embed_dims: int, num_heads: int, window_size, qkv_bias: bool = True,
+                 kernel_size: int = 5, proj_drop: float = 0.0, deploy: bool = False, **kwargs):
+        _reject_unused(kwargs, 'SLA')
+        super().__init__(embed_dims, num_heads, window_size, qkv_bias, proj_drop)
+        self.deploy = deploy
+        self.dwc = nn.Conv2d(self.head_dims, self.head_dims, kernel_size,
+                             padding=kernel_size // 2, groups=self.head_dims)
+        wh, ww = self.window_size
+        self.positional_encoding = nn.Parameter(torch.zeros(1, wh * ww, embed_dims))
+
+    def init_weights(self) -> None:
+        trunc_normal_(self.positional_encoding, std=0.02)
+
+    def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
+               shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None) -> Tensor:
+        bw, n, c3 = qkv.shape
+        c = c3 // 3
+        wh, ww = window_hw
+        q, k, v = qkv.split(c, dim=-1)
+        pos = self.positional_encoding
+        if (wh, ww) != self.window_size:  # a window cropped to the feature map
+            pos = pos.view(1, *self.window_size, c)[:, :wh, :ww].reshape(1, wh * ww, c)
+        with torch.autocast(device_type=qkv.device.type, enabled=False):
+            q = F.relu(q.float())
+            k = F.relu(k.float() + pos.float())
+            v = v.float()
+            if valid is not None:  # [nW, N]: padded tokens add nothing to the sums or the DWC
+                keep = valid.to(k.dtype).repeat(bw // num_windows, 1).unsqueeze(-1)
+                k = k * keep
+                v = v * keep
+            q, k, v = (_split_heads(t, self.num_heads) for t in (q, k, v))
+            kv = k.transpose(-2, -1) @ v  # [B', h, d, d]
+            z = k.sum(dim=-2, keepdim=True)  # [B', h, 1, d]
+            out = (q @ kv) / ((q * z).sum(-1, keepdim=True) + self.eps)
+            d = self.head_dims
+            v_map = v.reshape(bw * self.num_heads, wh, ww, d).permute(0, 3, 1, 2)
+            dwc = self.dwc(v_map.to(self.dwc.weight.dtype)).float()
+            out = out + dwc.permute(0, 2, 3, 1).reshape(bw, self.num_heads, n, d)
+        return _merge_heads(out).to(qkv.dtype)
+
+
+@register_model()
+class BiNormAttention(WindowKernelBase):
+    """BiNorm attention (ViBid, eq. 5) inside windows.
+
+    Per head ``O = L2norm_channels(Q) @ L2norm_keychannels(K^T V)``: ``K^T V`` first (linear
+    in tokens), no softmax, no scale.
+    """
+
+    uses_shift_mask = False
+    masks_padding = True
+    eps = 1e-12
+
+    def __init__(self, embed_dims: int, num_heads: int, window_size, qkv_bias: bool = True,
+                 proj_drop: float = 0.0, deploy: bool = False, **kwargs):
+        _reject_unused(kwargs, 'BiNormAttention')
+        super().__init__(embed_dims, num_heads, window_size, qkv_bias, proj_drop)
+        self.deploy = deploy
+
+    def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
+               shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None) -> Tensor:
+        bw, n, c3 = qkv.shape
+        q, k, v = qkv.split(c3 // 3, dim=-1)
+        if valid is not None:
+            k = k * valid.to(k.dtype).repeat(bw // num_windows, 1).unsqueeze(-1)
+        q, k, v = (_split_heads(t, self.num_heads) for t in (q, k, v))
+        kv = F.normalize(k.transpose(-2, -1) @ v, dim=-2, eps=self.eps)  # over key channels
+        out = F.normalize(q, dim=-1, eps=self.eps) @ kv
+        return _merge_heads(out)
+
+
+def _reject_unused(kwargs: dict, name: str) -> None:
+    # Softmax-only options are accepted only at their neutral values.
+    allowed = {'qk_scale': None, 'attn_drop': 0.0}
+    bad = {k: v for k, v in kwargs.items() if k not in allowed or v != allowed[k]}
+    if bad:
+        raise ValueError(f'{name} does not support {sorted(bad)} (softmax-attention options)')

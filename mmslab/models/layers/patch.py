@@ -1,0 +1,101 @@
+"""Patch embedding and patch merging with foldable norms (mmdet-compatible names)."""
+from typing import Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from .affine import fold_affine_into_next_linear, fold_affine_into_prev
+from .norm import build_norm, is_foldable_norm
+
+
+class PatchEmbed(nn.Module):
+    """Conv patch embedding with corner padding and a norm, as mmdet's ``PatchEmbed``.
+
+    ``projection`` and ``norm`` keep mmdet's names. In deploy form a foldable norm lives
+    inside the conv (including the ``scale * conv_bias`` term).
+
+    Shape: ``[B, C_in, H, W]`` -> (``[B, H'*W', C]``, ``(H', W')``).
+    """
+
+    def __init__(self, in_channels: int, embed_dims: int, patch_size: int, stride: int,
+                 norm_cfg=None, deploy: bool = False):
+        super().__init__()
+        self.patch_size, self.stride = patch_size, stride
+        fold = deploy and norm_cfg is not None and is_foldable_norm(norm_cfg)
+        self.projection = nn.Conv2d(in_channels, embed_dims, patch_size, stride=stride)
+        if norm_cfg is None or fold:
+            self.norm = nn.Identity()
+        else:
+            self.norm = build_norm(norm_cfg, embed_dims, deploy=deploy)
+        self.deploy = deploy
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tuple[int, int]]:
+        h, w = x.shape[-2:]
+        k, s = self.patch_size, self.stride
+        pad_h = max((-(-h // s) - 1) * s + k - h, 0)
+        pad_w = max((-(-w // s) - 1) * s + k - w, 0)
+        if pad_h or pad_w:
+            x = F.pad(x, (0, pad_w, 0, pad_h))
+        x = self.projection(x)
+        hw = (x.shape[2], x.shape[3])
+        x = x.flatten(2).transpose(1, 2)
+        return self.norm(x), hw
+
+    @torch.no_grad()
+    def switch_to_deploy(self) -> None:
+        if self.deploy:
+            return
+        if hasattr(self.norm, 'fused_affine'):
+            if self.training:
+                raise RuntimeError('PatchEmbed.switch_to_deploy() needs eval mode')
+            scale, shift = self.norm.fused_affine()
+            self.projection = fold_affine_into_prev(self.projection, scale, shift)
+            self.norm = nn.Identity()
+        self.deploy = True
+
+
+class PatchMerging(nn.Module):
+    """2x2 patch merging: gather, norm, linear reduction, as mmdet's ``PatchMerging``.
+
+    Channels of a merged token are ordered like ``nn.Unfold`` (channel-major, then the 2x2
+    offsets) so mmdet weights load. Odd sizes are zero-padded at the bottom/right. In deploy
+    form a foldable norm is folded into ``reduction`` (which then has a bias).
+
+    Shape: (``[B, H*W, C]``, ``(H, W)``) -> (``[B, ceil(H/2)*ceil(W/2), C_out]``, new hw).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, norm_cfg=None,
+                 deploy: bool = False):
+        super().__init__()
+        fold = deploy and norm_cfg is not None and is_foldable_norm(norm_cfg)
+        self.norm = nn.Identity() if norm_cfg is None or fold else build_norm(
+            norm_cfg, 4 * in_channels, deploy=deploy)
+        self.reduction = nn.Linear(4 * in_channels, out_channels, bias=fold)
+        self.deploy = deploy
+
+    def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tuple[Tensor, Tuple[int, int]]:
+        b, n, c = x.shape
+        h, w = hw_shape
+        if n != h * w:
+            raise ValueError(f'input has {n} tokens but hw_shape {hw_shape} has {h * w}')
+        x = x.view(b, h, w, c)
+        if h % 2 or w % 2:
+            x = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))
+        h2, w2 = x.shape[1] // 2, x.shape[2] // 2
+        # [B, h2, 2, w2, 2, C] -> [B, h2, w2, C, 2, 2]: unfold's channel-major order.
+        x = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 5, 2, 4).reshape(b, h2 * w2, 4 * c)
+        return self.reduction(self.norm(x)), (h2, w2)
+
+    @torch.no_grad()
+    def switch_to_deploy(self) -> None:
+        if self.deploy:
+            return
+        if hasattr(self.norm, 'fused_affine'):
+            if self.training:
+                raise RuntimeError('PatchMerging.switch_to_deploy() needs eval mode')
+            scale, shift = self.norm.fused_affine()
+            self.reduction = fold_affine_into_next_linear(self.reduction, scale, shift)
+            self.norm = nn.Identity()
+        self.deploy = True

@@ -1,0 +1,150 @@
+"""RepBN and progressive PRepBN (SLAB, ICML 2024)."""
+from typing import Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from mmslab.registry import register_model
+from .affine import FoldableNorm
+from .token_bn import bn_affine
+
+
+@register_model()
+class RepBN(FoldableNorm):
+    """Re-parameterizable BatchNorm: ``BN(x) + alpha * x`` with a learnable scalar ``alpha``.
+
+    Statistics are taken over every axis but the channel axis, so token tensors need no
+    transpose. At inference it is the affine ``a * x + b`` with ``a = w / sqrt(var + eps) + alpha``
+    and ``b = beta - w * mean / sqrt(var + eps)``.
+
+    Args:
+        num_features: channels C.
+        eps, momentum: of the inner ``nn.BatchNorm1d`` (named ``bn`` as in the authors' files).
+        alpha_init: initial ``alpha`` (1 in the paper).
+        data_format: ``'channels_last'`` for ``[..., C]``, ``'channels_first'`` for ``[B, C, *]``.
+        deploy: build the fused affine form directly.
+
+    Shape: input and output alike, ``[..., C]`` or ``[B, C, *]``.
+    """
+
+    _stat_attrs = ('bn', 'alpha')
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1,
+                 alpha_init: float = 1.0, data_format: str = 'channels_last',
+                 deploy: bool = False):
+        super().__init__(num_features, data_format, deploy)
+        if not deploy:
+            self.bn = nn.BatchNorm1d(num_features, eps=eps, momentum=momentum)
+            self.alpha = nn.Parameter(torch.tensor(float(alpha_init)))
+
+    def forward_train(self, x: Tensor) -> Tensor:
+        if x.shape[-1 if self.data_format == 'channels_last' else 1] != self.num_features:
+            raise ValueError(f'RepBN({self.num_features}, {self.data_format}) got input of shape '
+                             f'{tuple(x.shape)}')
+        if self.data_format == 'channels_last':
+            y = self.bn(x.reshape(-1, self.num_features)).view_as(x)
+        else:
+            y = self.bn(x.flatten(2)).view_as(x)
+        return y + self.alpha * x
+
+    def _fused_affine(self) -> Tuple[Tensor, Tensor]:
+        scale, shift = bn_affine(self.bn)
+        return scale + self.alpha.double(), shift
+
+
+@register_model()
+class PRepBN(FoldableNorm):
+    """Progressive re-parameterized BatchNorm: ``g * LN(x) + (1 - g) * RepBN(x)``.
+
+    ``g`` is 1 for ``warmup`` training iterations, then decays linearly from ``r0`` to 0 over
+    ``step`` iterations (``schedule_offset`` shifts the start, see the buffer's comment). The schedule is a function of the *training iteration*, stored in the
+    ``cur_iter`` buffer (so it is saved and resumed with the model) and set before each
+    iteration by :class:`~mmslab.engine.ProgressiveNormHook` (or by calling :meth:`set_iter`);
+    extra forward calls never move it. Training without anything driving the schedule raises
+    instead of silently training with a frozen ``g``. Eval mode is pure RepBN, as in the paper.
+
+    Sub-module names follow the authors' files: ``norm1`` (LayerNorm), ``norm2`` (RepBN).
+
+    Shape: ``[..., C]`` channels-last, or ``[B, C, *]`` with ``data_format='channels_first'``.
+    """
+
+    _stat_attrs = ('norm1', 'norm2', 'cur_iter', 'schedule_offset')
+
+    def __init__(self, num_features: int, step: int = 60000, r0: float = 1.0, warmup: int = 0,
+                 eps: float = 1e-5, bn_eps: float = 1e-5, bn_momentum: float = 0.1,
+                 data_format: str = 'channels_last', deploy: bool = False):
+        if int(step) <= 0:
+            raise ValueError(f'PRepBN step must be a positive number of iterations, got {step}')
+        if int(warmup) < 0:
+            raise ValueError(f'PRepBN warmup must be >= 0, got {warmup}')
+        if not 0.0 <= float(r0) <= 1.0:
+            raise ValueError(f'PRepBN r0 must lie in [0, 1], got {r0}')
+        super().__init__(num_features, data_format, deploy)
+        # Schedule length is configuration; position in it is state (saved and resumed).
+        self.step, self.r0, self.warmup = int(step), float(r0), int(warmup)
+        if deploy:
+            return
+        self.norm1 = nn.LayerNorm(num_features, eps=eps)
+        self.norm2 = RepBN(num_features, eps=bn_eps, momentum=bn_momentum,
+                           data_format='channels_last')
+        # Training iteration of the current run, set by set_iter().
+        self.register_buffer('cur_iter', torch.tensor(0, dtype=torch.long))
+        # Fraction of the LN -> RepBN decay already done before this run (e.g. in ImageNet
+        # pre-training): 1.0 keeps a finished schedule finished when fine-tuning.
+        self.register_buffer('schedule_offset', torch.tensor(0.0, dtype=torch.float64))
+        # Set by set_iter(); a training forward without it means nothing drives the schedule.
+        self._schedule_driven = False
+
+    def set_iter(self, cur_iter: int) -> None:
+        """Set the training iteration the schedule is evaluated at (called once per iteration)."""
+        if self.deploy:
+            return
+        self.cur_iter.fill_(int(cur_iter))
+        self._schedule_driven = True
+
+    def reset_schedule(self) -> None:
+        """Start the schedule from scratch (g = r0 again) at the next set_iter()."""
+        if not self.deploy:
+            self.schedule_offset.fill_(0.0)
+
+    @property
+    def ratio(self) -> float:
+        """The LayerNorm weight ``g`` at the current training iteration."""
+        if self.deploy:
+            return 0.0
+        offset = float(self.schedule_offset)
+        t = int(self.cur_iter)
+        if offset <= 0.0:
+            if t < self.warmup:
+                return 1.0
+            t -= self.warmup
+        done = offset + t / self.step
+        return max(0.0, self.r0 * (1.0 - done))
+
+    def forward_train(self, x: Tensor) -> Tensor:
+        channels_first = self.data_format == 'channels_first'
+        if channels_first:
+            x = x.movedim(1, -1)
+        if not self.training:
+            y = self.norm2(x)
+        else:
+            if not self._schedule_driven:
+                raise RuntimeError(
+                    'PRepBN is training but nothing sets its schedule. Add '
+                    "custom_hooks=[dict(type='ProgressiveNormHook')] to the config, or call "
+                    'mmslab.set_progressive_iter(model, it) before each training iteration.')
+            g = self.ratio
+            if g >= 1.0:
+                y = self.norm1(x)  # warm-up: pure LayerNorm, BN statistics untouched
+            elif g <= 0.0:
+                y = self.norm2(x)  # schedule finished: skip the LayerNorm branch
+            else:
+                y = g * self.norm1(x) + (1.0 - g) * self.norm2(x)
+        return y.movedim(-1, 1) if channels_first else y
+
+    def _fused_affine(self) -> Tuple[Tensor, Tensor]:
+        return self.norm2._fused_affine()
+
+    def extra_repr(self) -> str:
+        return f'{self.num_features}, step={self.step}, r0={self.r0}, warmup={self.warmup}'
