@@ -1,4 +1,4 @@
-from .affine import (ChannelAffine, FoldableNorm, fold_affine_into_next_conv1x1,
+from .affine import (ChannelAffine, FoldableNorm, fold_affine_into_next_conv,
                      fold_affine_into_next_linear, fold_affine_into_prev)
 from .ffn import ChannelIdleFFN, SwinFFN
 from .linear_attention import SLA, BiNormAttention
@@ -11,7 +11,7 @@ from .unified_norm import UN
 from .window_attention import WindowMSA
 
 __all__ = [
-    'ChannelAffine', 'FoldableNorm', 'fold_affine_into_next_conv1x1',
+    'ChannelAffine', 'FoldableNorm', 'fold_affine_into_next_conv',
     'fold_affine_into_next_linear', 'fold_affine_into_prev', 'ChannelIdleFFN', 'SwinFFN', 'SLA',
     'BiNormAttention', 'NORM_TYPES', 'build_norm', 'is_foldable_norm', 'PatchEmbed',
     'PatchMerging', 'PRepBN', 'RepBN', 'ATTENTION_TYPES', 'ShiftWindowAttention', 'TokenBN',

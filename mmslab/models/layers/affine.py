@@ -162,16 +162,22 @@ def fold_affine_into_prev(layer: nn.Module, scale: Tensor, shift: Tensor) -> nn.
 
 
 @torch.no_grad()
-def fold_affine_into_next_conv1x1(conv: nn.Conv2d, scale: Tensor, shift: Tensor) -> nn.Conv2d:
-    """Fold ``x -> x * scale + shift`` into the 1x1 Conv2d (groups 1, no padding) that follows."""
-    if (conv.kernel_size != (1, 1) or conv.groups != 1 or conv.padding not in ((0, 0), 'valid')):
-        raise ValueError('only a 1x1 convolution with groups=1 and no padding can absorb the '
-                         f'affine before it exactly; got {conv}')
+def fold_affine_into_next_conv(conv: nn.Conv2d, scale: Tensor, shift: Tensor) -> nn.Conv2d:
+    """Fold ``x -> x * scale + shift`` into the Conv2d that follows it.
+
+    Exact only without zero padding (padding would see ``0`` instead of ``shift``) and with
+    ``groups=1``: ``conv(s*x + t) = (W * s) x + (sum_{c,kh,kw} W t + b)``. Covers 1x1 convs
+    and PVT's spatial-reduction convs (kernel = stride, no padding).
+    """
+    padding = conv.padding if isinstance(conv.padding, tuple) else (conv.padding, )
+    if conv.groups != 1 or any(p != 0 for p in padding) or conv.padding_mode != 'zeros':
+        raise ValueError('only a convolution with groups=1 and no padding can absorb the '
+                         f'affine before it exactly (a 1x1 conv for instance); got {conv}')
     weight = conv.weight.double()
-    new = nn.Conv2d(conv.in_channels, conv.out_channels, 1, stride=conv.stride,
-                    bias=True).to(conv.weight)
+    new = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride,
+                    dilation=conv.dilation, bias=True).to(conv.weight)
     new.weight.copy_(weight * scale.double().view(1, -1, 1, 1))
-    bias = weight[:, :, 0, 0] @ shift.double()
+    bias = torch.einsum('oikl,i->o', weight, shift.double())
     if conv.bias is not None:
         bias = bias + conv.bias.double()
     new.bias.copy_(bias)

@@ -64,12 +64,19 @@ class SLA(WindowKernelBase):
         wh, ww = window_hw
         q, k, v = qkv.split(c, dim=-1)
         pos = self.positional_encoding
-        if (wh, ww) != self.window_size:  # a window cropped to the feature map
-            pos = pos.view(1, *self.window_size, c)[:, :wh, :ww].reshape(1, wh * ww, c)
+        if (wh, ww) != self.window_size:
+            grid = pos.view(1, *self.window_size, c)
+            if wh <= self.window_size[0] and ww <= self.window_size[1]:
+                # A window cropped to a smaller feature map: positions keep their encoding.
+                pos = grid[:, :wh, :ww].reshape(1, wh * ww, c)
+            else:  # global attention on a larger map (PVT): resize the learned encoding
+                pos = F.interpolate(grid.permute(0, 3, 1, 2), size=(wh, ww), mode='bilinear',
+                                    align_corners=False).flatten(2).transpose(1, 2)
+        dtype = torch.promote_types(qkv.dtype, torch.float32)  # never below fp32
         with torch.autocast(device_type=qkv.device.type, enabled=False):
-            q = F.relu(q.float())
-            k = F.relu(k.float() + pos.float())
-            v = v.float()
+            q = F.relu(q.to(dtype))
+            k = F.relu(k.to(dtype) + pos.to(dtype))
+            v = v.to(dtype)
             if valid is not None:  # [nW, N]: padded tokens add nothing to the sums or the DWC
                 keep = valid.to(k.dtype).repeat(bw // num_windows, 1).unsqueeze(-1)
                 k = k * keep
@@ -80,7 +87,7 @@ class SLA(WindowKernelBase):
             out = (q @ kv) / ((q * z).sum(-1, keepdim=True) + self.eps)
             d = self.head_dims
             v_map = v.reshape(bw * self.num_heads, wh, ww, d).permute(0, 3, 1, 2)
-            dwc = self.dwc(v_map.to(self.dwc.weight.dtype)).float()
+            dwc = self.dwc(v_map.to(self.dwc.weight.dtype)).to(dtype)
             out = out + dwc.permute(0, 2, 3, 1).reshape(bw, self.num_heads, n, d)
         return _merge_heads(out).to(qkv.dtype)
 

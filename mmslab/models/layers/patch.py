@@ -20,9 +20,11 @@ class PatchEmbed(nn.Module):
     """
 
     def __init__(self, in_channels: int, embed_dims: int, patch_size: int, stride: int,
-                 norm_cfg=None, deploy: bool = False):
+                 norm_cfg=None, adaptive_padding: bool = True, deploy: bool = False):
         super().__init__()
         self.patch_size, self.stride = patch_size, stride
+        # Swin pads bottom/right so every pixel is covered; PVT v1 does not pad (floor).
+        self.adaptive_padding = adaptive_padding
         fold = deploy and norm_cfg is not None and is_foldable_norm(norm_cfg)
         self.projection = nn.Conv2d(in_channels, embed_dims, patch_size, stride=stride)
         if norm_cfg is None or fold:
@@ -36,7 +38,7 @@ class PatchEmbed(nn.Module):
         k, s = self.patch_size, self.stride
         pad_h = max((-(-h // s) - 1) * s + k - h, 0)
         pad_w = max((-(-w // s) - 1) * s + k - w, 0)
-        if pad_h or pad_w:
+        if self.adaptive_padding and (pad_h or pad_w):
             x = F.pad(x, (0, pad_w, 0, pad_h))
         x = self.projection(x)
         hw = (x.shape[2], x.shape[3])

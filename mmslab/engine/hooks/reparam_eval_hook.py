@@ -1,0 +1,281 @@
+"""Evaluate the re-parameterized (fused) model and measure per-image latency."""
+import copy
+import json
+import os.path as osp
+import statistics
+import time
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from mmengine.dist import is_main_process
+from mmengine.hooks import Hook
+from mmengine.model import is_model_wrapper
+
+from mmslab.registry import register_hook
+
+
+def _flatten_tensors(obj, out=None):
+    """Tensors of a nested output (tuples, lists, dicts, data samples) in a stable order."""
+    out = [] if out is None else out
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _flatten_tensors(o, out)
+    elif isinstance(obj, dict):
+        for k in sorted(obj):
+            _flatten_tensors(obj[k], out)
+    return out
+
+
+def max_relative_difference(a, b) -> float:
+    """Largest ``|a - b| / max|a|`` over matching tensors of two nested outputs."""
+    ta, tb = _flatten_tensors(a), _flatten_tensors(b)
+    if len(ta) != len(tb):
+        raise RuntimeError(f'fused model returned {len(tb)} tensors, unfused {len(ta)}')
+    worst = 0.0
+    for x, y in zip(ta, tb):
+        if x.shape != y.shape:
+            raise RuntimeError(f'fused output shape {tuple(y.shape)} != unfused {tuple(x.shape)}')
+        if x.numel() == 0 or not x.is_floating_point():
+            continue
+        scale = x.abs().max().clamp_min(1e-6)
+        worst = max(worst, ((x - y).abs().max() / scale).item())
+    return worst
+
+
+def first_divergent_module(unfused: nn.Module, fused: nn.Module, data: dict, tol: float):
+    """Run both models with forward hooks; return ``(name, type, diff)`` of the first module
+    (in execution order) present in both whose output differs by more than ``tol``."""
+    records = {'u': {}, 'f': {}}
+    order = []
+    names_f = dict(fused.named_modules())
+    handles = []
+    for name, m in unfused.named_modules():
+        if not name or name not in names_f:
+            continue
+
+        def hook_u(mod, inp, out, name=name):
+            if name not in records['u']:
+                order.append(name)
+                records['u'][name] = (type(mod).__name__, out)
+
+        def hook_f(mod, inp, out, name=name):
+            records['f'].setdefault(name, out)
+
+        handles.append(m.register_forward_hook(hook_u))
+        handles.append(names_f[name].register_forward_hook(hook_f))
+    try:
+        with torch.no_grad():
+            unfused._forward(**data)
+            fused._forward(**data)
+    finally:
+        for h in handles:
+            h.remove()
+    for name in order:
+        if name not in records['f']:
+            continue
+        mod_type, out_u = records['u'][name]
+        try:
+            diff = max_relative_difference(out_u, records['f'][name])
+        except RuntimeError:
+            continue
+        if diff > tol:
+            return name, mod_type, diff
+    return None
+
+
+def _summary(times_ms):
+    if not times_ms:
+        return dict(count=0)
+    ordered = sorted(times_ms)
+    p90 = ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
+    mean = statistics.fmean(times_ms)
+    return dict(count=len(times_ms), mean_ms=mean, median_ms=statistics.median(times_ms),
+                p90_ms=p90, images_per_s=1000.0 / mean if mean > 0 else float('inf'))
+
+
+@register_hook()
+class ReparamEvalHook(Hook):
+    """Validate and test on a fused deep copy of the model, and time it per image.
+
+    Before the val/test loop a deep copy of the (unwrapped) model is re-parameterized with
+    :func:`mmslab.reparameterize` and swapped in; the training model itself is never
+    modified and is swapped back in ``after_val_epoch``/``after_test_epoch`` before any other
+    hook (such as ``CheckpointHook``'s save-best) runs, so saved checkpoints never hold fused
+    weights. With a DDP-wrapped model each rank fuses its own inner module.
+
+    Args:
+        reparam: evaluate the fused copy (False: evaluate the model as is, still timed).
+        check_equivalence: on the first batch of each run compare the raw outputs of the
+            fused and unfused models; a difference above ``tolerance`` (relative to the
+            largest output) raises an error naming the first module type that diverged.
+        tolerance: relative tolerance of that check.
+        measure_latency: time preprocessing + forward + post-processing per image (data
+            loading excluded), after ``warmup`` batches.
+        warmup: batches not timed.
+        compare_unfused: also time the unfused model on the same batches, alternating which
+            runs first, and report the ratio.
+        out_file: name of the JSON written to the work dir.
+    """
+
+    priority = 'VERY_HIGH'  # runs before CheckpointHook (VERY_LOW) in after_val_epoch
+
+    def __init__(self, reparam: bool = True, check_equivalence: bool = True,
+                 tolerance: float = 1e-3, measure_latency: bool = True, warmup: int = 2,
+                 compare_unfused: bool = False, out_file: str = 'latency.json'):
+        if warmup < 0:
+            raise ValueError(f'warmup must be >= 0, got {warmup}')
+        if tolerance <= 0:
+            raise ValueError(f'tolerance must be > 0, got {tolerance}')
+        self.reparam = reparam
+        self.check_equivalence = check_equivalence
+        self.tolerance = tolerance
+        self.measure_latency = measure_latency
+        self.warmup = warmup
+        self.compare_unfused = compare_unfused
+        self.out_file = out_file
+        self._checked = False
+        self._saved_model = None
+        self._active = None
+        self.last_result: Optional[dict] = None
+
+    # -- swapping --------------------------------------------------------------------------
+    @staticmethod
+    def _inner(model):
+        return model.module if is_model_wrapper(model) else model
+
+    def _enter(self, runner, mode: str) -> None:
+        original = runner.model
+        inner = self._inner(original)
+        was_training = inner.training
+        inner.eval()
+        if self.reparam:
+            from mmslab.models.reparam import reparameterize
+            fused = reparameterize(copy.deepcopy(inner))
+        else:
+            fused = inner
+        self._saved_model = (original, was_training)
+        self._active = dict(mode=mode, inner=inner, fused=fused, fused_ms=[], unfused_ms=[],
+                            batches=0, max_diff=None)
+        self._wrap_step(fused, mode)
+        runner._model = fused  # the loop calls runner.model.val_step/test_step on the copy
+
+    def _exit(self, runner) -> None:
+        if self._saved_model is None:
+            return
+        original, was_training = self._saved_model
+        runner._model = original
+        self._inner(original).train(was_training)
+        active = self._active
+        fused = active['fused']
+        step_name = 'val_step' if active['mode'] == 'val' else 'test_step'
+        if step_name in vars(fused):
+            delattr(fused, step_name)  # drop the timing wrapper (matters when not fused)
+        self._saved_model = None
+        if self.measure_latency:
+            self._report(runner)
+        self._active = None
+
+    def _wrap_step(self, fused: nn.Module, mode: str) -> None:
+        step_name = 'val_step' if mode == 'val' else 'test_step'
+        fused_step = getattr(fused, step_name)
+        active = self._active
+        inner = active['inner']
+        unfused_step = getattr(inner, step_name)
+
+        def timed(data_batch):
+            if self.reparam and self.check_equivalence and not self._checked:
+                self._check(inner, fused, data_batch)
+            n_img = len(data_batch['inputs']) if isinstance(data_batch, dict) else 1
+            timed_run = self.measure_latency and active['batches'] >= self.warmup
+            order = [('fused', fused_step)]
+            if self.compare_unfused and self.reparam:
+                order.append(('unfused', unfused_step))
+                if active['batches'] % 2:
+                    order.reverse()
+            result = None
+            for label, fn in order:
+                sync()
+                t0 = time.perf_counter()
+                out = fn(data_batch)
+                sync()
+                dt = (time.perf_counter() - t0) * 1000.0 / max(n_img, 1)
+                if label == 'fused':
+                    result = out
+                if timed_run:
+                    active[f'{label}_ms'].extend([dt] * n_img)
+            active['batches'] += 1
+            return result
+
+        setattr(fused, step_name, timed)
+
+    def _check(self, inner: nn.Module, fused: nn.Module, data_batch) -> None:
+        with torch.no_grad():
+            data = inner.data_preprocessor(data_batch, False)
+            ref = inner._forward(**data)
+            out = fused._forward(**data)
+        diff = max_relative_difference(ref, out)
+        self._active['max_diff'] = diff
+        if diff > self.tolerance:
+            where = first_divergent_module(inner, fused, data, self.tolerance)
+            detail = f' first at {where[0]} ({where[1]}, diff {where[2]:.3g})' if where else ''
+            raise RuntimeError(f'the fused model differs from the unfused one by {diff:.3g} '
+                               f'(relative, tolerance {self.tolerance}):{detail}')
+        self._checked = True
+
+    def _report(self, runner) -> None:
+        active = self._active
+        fused = _summary(active['fused_ms'])
+        result = dict(mode=active['mode'], reparameterized=self.reparam,
+                      device=str(next(active['inner'].parameters()).device),
+                      threads=torch.get_num_threads(), warmup_batches=self.warmup,
+                      fused=fused, max_relative_difference=active['max_diff'])
+        if active['batches'] <= self.warmup:
+            runner.logger.warning(
+                f'ReparamEvalHook: warmup={self.warmup} batches but only {active["batches"]} '
+                'ran; latency is reported over all batches instead')
+        if fused['count'] == 0 and active['batches']:
+            result['fused'] = dict(count=0, note='all batches were warm-up')
+        if self.compare_unfused and self.reparam:
+            unfused = _summary(active['unfused_ms'])
+            result['unfused'] = unfused
+            if unfused.get('count') and fused.get('count'):
+                result['speedup_median'] = unfused['median_ms'] / fused['median_ms']
+        self.last_result = result
+        lines = [f"{active['mode']} latency per image ({'fused' if self.reparam else 'as is'}): "
+                 f"median {fused.get('median_ms', float('nan')):.1f} ms, "
+                 f"mean {fused.get('mean_ms', float('nan')):.1f} ms, "
+                 f"p90 {fused.get('p90_ms', float('nan')):.1f} ms, "
+                 f"{fused.get('images_per_s', float('nan')):.2f} img/s over {fused['count']} images"]
+        if 'unfused' in result:
+            lines.append(f"unfused: median {result['unfused'].get('median_ms', float('nan')):.1f}"
+                         f" ms; speedup {result.get('speedup_median', float('nan')):.2f}x")
+        for line in lines:
+            runner.logger.info(line)
+        scalars = {f"latency/{active['mode']}_fused_median_ms": fused.get('median_ms', 0.0)}
+        if 'speedup_median' in result:
+            scalars[f"latency/{active['mode']}_speedup"] = result['speedup_median']
+        runner.visualizer.add_scalars(scalars, step=runner.iter)
+        if is_main_process():
+            with open(osp.join(runner.work_dir, self.out_file), 'w') as f:
+                json.dump(result, f, indent=2)
+
+    # -- mmengine hook points --------------------------------------------------------------
+    def before_val_epoch(self, runner) -> None:
+        self._enter(runner, 'val')
+
+    def after_val_epoch(self, runner, metrics=None) -> None:
+        self._exit(runner)
+
+    def before_test_epoch(self, runner) -> None:
+        self._enter(runner, 'test')
+
+    def after_test_epoch(self, runner, metrics=None) -> None:
+        self._exit(runner)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

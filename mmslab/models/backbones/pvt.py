@@ -1,0 +1,368 @@
+"""PVT v1 with pluggable normalization and attention (PRepBN-PVT, SLAB-PVT).
+
+With LayerNorm and spatial-reduction softmax attention it is mmdet's
+``PyramidVisionTransformer`` (same parameter names, same outputs). Attention runs on
+``scaled_dot_product_attention`` instead of ``nn.MultiheadAttention``.
+"""
+import copy
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mmcv.cnn import build_activation_layer
+from mmcv.cnn.bricks.drop import DropPath
+from mmengine.logging import MMLogger
+from mmengine.model import BaseModule
+from mmengine.model.weight_init import constant_init, normal_init, trunc_normal_, \
+    trunc_normal_init
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from mmslab.registry import register_model
+from ..layers.affine import FoldableNorm, fold_affine_into_next_conv
+from ..layers.linear_attention import SLA
+from ..layers.norm import build_norm, check_norm_cfg, is_foldable_norm
+from ..layers.patch import PatchEmbed
+
+PVT_ATTENTION_TYPES = ('softmax', 'sla')
+
+
+def _fold_into_linear_rows(weight: Tensor, bias: Optional[Tensor], scale: Tensor,
+                           shift: Tensor) -> Tuple[Tensor, Tensor]:
+    """``W (s x + t) + b`` -> ``(W diag(s), W t + b)`` for a raw weight/bias pair."""
+    w = weight.double()
+    new_b = w @ shift.double()
+    if bias is not None:
+        new_b = new_b + bias.double()
+    return (w * scale.double()[None]).to(weight), new_b.to(weight)
+
+
+class MHAProjections(nn.Module):
+    """Holds ``in_proj_weight``/``in_proj_bias``/``out_proj`` under ``nn.MultiheadAttention``'s
+    names (so mmdet PVT weights load) without its slow generic forward."""
+
+    def __init__(self, embed_dims: int, bias: bool = True):
+        super().__init__()
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dims, embed_dims))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * embed_dims)) if bias else None
+        self.out_proj = nn.Linear(embed_dims, embed_dims, bias=bias)
+        nn.init.xavier_uniform_(self.in_proj_weight)
+
+
+class SpatialReductionAttention(nn.Module):
+    """PVT's attention: keys/values from a strided-conv reduced map, then a norm.
+
+    Shape: ``[B, H*W, C]`` (normalized tokens) -> ``[B, H*W, C]`` (before the residual).
+    """
+
+    def __init__(self, embed_dims: int, num_heads: int, sr_ratio: int = 1,
+                 qkv_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0,
+                 norm_cfg: Optional[dict] = None, deploy: bool = False):
+        super().__init__()
+        self.embed_dims, self.num_heads, self.sr_ratio = embed_dims, num_heads, sr_ratio
+        self.attn_drop = attn_drop
+        self.deploy = deploy
+        norm_cfg = norm_cfg or dict(type='LN', eps=1e-6)
+        self.attn = MHAProjections(embed_dims, bias=qkv_bias or deploy)
+        if sr_ratio > 1:
+            self.sr = nn.Conv2d(embed_dims, embed_dims, sr_ratio, stride=sr_ratio)
+            fold = deploy and is_foldable_norm(norm_cfg)
+            self.norm = nn.Identity() if fold else build_norm(norm_cfg, embed_dims, deploy=deploy)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
+        b, n, c = x.shape
+        w, bias = self.attn.in_proj_weight, self.attn.in_proj_bias
+        q = F.linear(x, w[:c], None if bias is None else bias[:c])
+        if self.sr_ratio > 1:
+            kv_in = self.sr(x.transpose(1, 2).reshape(b, c, *hw_shape)).flatten(2).transpose(1, 2)
+            kv_in = self.norm(kv_in)
+        else:
+            kv_in = x
+        kv = F.linear(kv_in, w[c:], None if bias is None else bias[c:])
+        h, d = self.num_heads, c // self.num_heads
+        q = q.view(b, n, h, d).transpose(1, 2)
+        k, v = kv.view(b, -1, 2, h, d).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v,
+                                             dropout_p=self.attn_drop if self.training else 0.)
+        out = self.attn.out_proj(out.transpose(1, 2).reshape(b, n, c))
+        return self.proj_drop(out)
+
+    @torch.no_grad()
+    def absorb_input_affine(self, scale: Tensor, shift: Tensor) -> None:
+        """Fold the block's ``norm1`` affine into q (and into sr or k/v)."""
+        c = self.embed_dims
+        w, b = self.attn.in_proj_weight, self.attn.in_proj_bias
+        rows = slice(0, c) if self.sr_ratio > 1 else slice(0, 3 * c)
+        new_w, new_b = _fold_into_linear_rows(w[rows], None if b is None else b[rows], scale,
+                                              shift)
+        self._set_rows(rows, new_w, new_b)
+        if self.sr_ratio > 1:
+            self.sr = fold_affine_into_next_conv(self.sr, scale, shift)
+
+    def _set_rows(self, rows: slice, new_w: Tensor, new_b: Tensor) -> None:
+        if self.attn.in_proj_bias is None:
+            self.attn.in_proj_bias = nn.Parameter(self.attn.in_proj_weight.new_zeros(
+                3 * self.embed_dims))
+        self.attn.in_proj_weight.data[rows] = new_w
+        self.attn.in_proj_bias.data[rows] = new_b
+
+    @torch.no_grad()
+    def switch_to_deploy(self) -> None:
+        if self.deploy:
+            return
+        if self.sr_ratio > 1 and isinstance(self.norm, FoldableNorm):
+            c = self.embed_dims
+            w, b = self.attn.in_proj_weight, self.attn.in_proj_bias
+            new_w, new_b = _fold_into_linear_rows(w[c:], None if b is None else b[c:],
+                                                  *self.norm.fused_affine())
+            self._set_rows(slice(c, 3 * c), new_w, new_b)
+            self.norm = nn.Identity()
+        self.deploy = True
+
+
+class GlobalSLA(nn.Module):
+    """SLA over the whole feature map (no spatial reduction), for SLAB-PVT stages.
+
+    The positional encoding is learned for the pre-training grid and bilinearly resized to
+    the input's grid. Shape: ``[B, H*W, C]`` -> ``[B, H*W, C]``.
+    """
+
+    def __init__(self, embed_dims: int, num_heads: int, grid: Tuple[int, int],
+                 qkv_bias: bool = True, proj_drop: float = 0.0, deploy: bool = False):
+        super().__init__()
+        self.kernel = SLA(embed_dims, num_heads, grid, qkv_bias=qkv_bias, proj_drop=proj_drop)
+        self.deploy = deploy
+
+    def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
+        b = x.shape[0]
+        out = self.kernel.attend(self.kernel.qkv(x), 1, tuple(hw_shape))
+        return self.kernel.proj_drop(self.kernel.proj(out))
+
+    def absorb_input_affine(self, scale: Tensor, shift: Tensor) -> None:
+        from ..layers.affine import fold_affine_into_next_linear
+        self.kernel.qkv = fold_affine_into_next_linear(self.kernel.qkv, scale, shift)
+
+
+class MixFFN(nn.Module):
+    """PVT FFN: 1x1 conv -> act -> 1x1 conv (names ``layers.0`` and ``layers.3`` as mmdet),
+    computed as Linears on tokens. Shape: ``[B, N, C]`` -> ``[B, N, C]``."""
+
+    def __init__(self, embed_dims: int, feedforward_channels: int,
+                 act_cfg: Optional[dict] = None, ffn_drop: float = 0.0):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Conv2d(embed_dims, feedforward_channels, 1),
+            build_activation_layer(act_cfg or dict(type='GELU')), nn.Dropout(ffn_drop),
+            nn.Conv2d(feedforward_channels, embed_dims, 1), nn.Dropout(ffn_drop))
+
+    def forward(self, x: Tensor) -> Tensor:
+        fc1, act, drop1, fc2, drop2 = self.layers
+        x = F.linear(x, fc1.weight.flatten(1), fc1.bias)
+        x = drop1(act(x))
+        return drop2(F.linear(x, fc2.weight.flatten(1), fc2.bias))
+
+    def absorb_input_affine(self, scale: Tensor, shift: Tensor) -> None:
+        self.layers[0] = fold_affine_into_next_conv(self.layers[0], scale, shift)
+
+
+class PVTBlock(nn.Module):
+    """``x + DropPath(attn(norm1(x)))``, ``x + DropPath(ffn(norm2(x)))``."""
+
+    def __init__(self, embed_dims: int, num_heads: int, feedforward_channels: int,
+                 sr_ratio: int, attn_type: str, grid: Tuple[int, int], qkv_bias: bool,
+                 drop_rate: float, attn_drop_rate: float, drop_path_rate: float,
+                 act_cfg: Optional[dict], norm_cfg: dict, deploy: bool = False):
+        super().__init__()
+        fold = deploy and is_foldable_norm(norm_cfg)
+        self.norm1 = nn.Identity() if fold else build_norm(norm_cfg, embed_dims, deploy=deploy)
+        if attn_type == 'softmax':
+            self.attn = SpatialReductionAttention(embed_dims, num_heads, sr_ratio, qkv_bias,
+                                                  attn_drop_rate, drop_rate, norm_cfg, deploy)
+        else:
+            self.attn = GlobalSLA(embed_dims, num_heads, grid, qkv_bias or fold, drop_rate,
+                                  deploy)
+        self.norm2 = nn.Identity() if fold else build_norm(norm_cfg, embed_dims, deploy=deploy)
+        self.ffn = MixFFN(embed_dims, feedforward_channels, act_cfg, drop_rate)
+        self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0 else nn.Identity()
+        self.deploy = deploy
+
+    def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x), hw_shape))
+        return x + self.drop_path(self.ffn(self.norm2(x)))
+
+    @torch.no_grad()
+    def switch_to_deploy(self) -> None:
+        if self.deploy:
+            return
+        if self.training:
+            raise RuntimeError('PVTBlock.switch_to_deploy() needs eval mode')
+        if isinstance(self.norm1, FoldableNorm):
+            self.attn.absorb_input_affine(*self.norm1.fused_affine())
+            self.norm1 = nn.Identity()
+        if isinstance(self.norm2, FoldableNorm):
+            self.ffn.absorb_input_affine(*self.norm2.fused_affine())
+            self.norm2 = nn.Identity()
+        self.deploy = True
+
+
+class AbsolutePositionEmbedding(nn.Module):
+    """Learned position embedding, bilinearly resized to the input grid (mmdet's names)."""
+
+    def __init__(self, pos_shape: Tuple[int, int], pos_dim: int, drop_rate: float = 0.0):
+        super().__init__()
+        self.pos_shape = pos_shape
+        self.pos_embed = nn.Parameter(torch.zeros(1, pos_shape[0] * pos_shape[1], pos_dim))
+        self.drop = nn.Dropout(drop_rate)
+
+    def init_weights(self) -> None:
+        trunc_normal_(self.pos_embed, std=0.02)
+
+    def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
+        pos = self.pos_embed
+        if tuple(hw_shape) != tuple(self.pos_shape):
+            grid = pos.reshape(1, *self.pos_shape, -1).permute(0, 3, 1, 2)
+            pos = F.interpolate(grid, size=hw_shape, mode='bilinear').flatten(2).transpose(1, 2)
+        return self.drop(x + pos)
+
+
+@register_model()
+class ReparamPVT(BaseModule):
+    """PVT v1 with pluggable norm (``norm_cfg``) and per-stage attention (``'softmax'``
+    spatial-reduction attention or ``'sla'`` global simplified linear attention, sr=1).
+
+    Arguments mean what they mean in mmdet's ``PyramidVisionTransformer``; ``arch`` picks
+    ``tiny``/``small``/``medium`` depths. ``bn_stats`` and ``deploy`` as in
+    :class:`ReparamSwinTransformer`. Returns a tuple of NCHW maps (strides 4, 8, 16, 32).
+    """
+
+    arch_zoo = {'tiny': (2, 2, 2, 2), 'small': (3, 4, 6, 3), 'medium': (3, 4, 18, 3)}
+
+    def __init__(self, arch: str = 'tiny', pretrain_img_size=224, in_channels: int = 3,
+                 embed_dims: int = 64, num_layers: Optional[Sequence[int]] = None,
+                 num_heads=(1, 2, 5, 8), patch_sizes=(4, 2, 2, 2), strides=(4, 2, 2, 2),
+                 sr_ratios=(8, 4, 2, 1), out_indices=(0, 1, 2, 3), mlp_ratios=(8, 8, 4, 4),
+                 qkv_bias: bool = True, drop_rate: float = 0.0, attn_drop_rate: float = 0.0,
+                 drop_path_rate: float = 0.1, use_abs_pos_embed: bool = True,
+                 norm_after_stage: bool = False, act_cfg: Optional[dict] = None,
+                 norm_cfg: Optional[dict] = None, attn_types=('softmax', ) * 4,
+                 bn_stats: str = 'train', frozen_stages: int = -1, pretrained=None,
+                 convert_weights: bool = True, deploy: bool = False, init_cfg=None):
+        if arch not in self.arch_zoo:
+            raise ValueError(f'unknown arch {arch!r}; valid: {tuple(self.arch_zoo)}')
+        if pretrained is not None:
+            init_cfg = dict(type='Pretrained', checkpoint=pretrained)
+        super().__init__(init_cfg=init_cfg)
+        num_layers = tuple(num_layers or self.arch_zoo[arch])
+        n = len(num_layers)
+        attn_types = (attn_types, ) * n if isinstance(attn_types, str) else tuple(attn_types)
+        for t in attn_types:
+            if t not in PVT_ATTENTION_TYPES:
+                raise ValueError(f'unknown attention type {t!r}; valid: {PVT_ATTENTION_TYPES}')
+        if not (len(num_heads) == len(patch_sizes) == len(strides) == len(sr_ratios) ==
+                len(mlp_ratios) == len(attn_types) == n):
+            raise ValueError('num_layers, num_heads, patch_sizes, strides, sr_ratios, '
+                             'mlp_ratios and attn_types need one entry per stage')
+        if bn_stats not in ('train', 'frozen'):
+            raise ValueError(f"bn_stats must be one of ('train', 'frozen'), got {bn_stats!r}")
+        if not all(0 <= i < n for i in out_indices):
+            raise ValueError(f'out_indices {out_indices} out of range for {n} stages')
+        self.norm_cfg = check_norm_cfg(copy.deepcopy(norm_cfg or dict(type='LN', eps=1e-6)))
+        img = (pretrain_img_size, ) * 2 if isinstance(pretrain_img_size, int) else tuple(
+            pretrain_img_size)
+        self.out_indices, self.bn_stats, self.frozen_stages = tuple(out_indices), bn_stats, \
+            frozen_stages
+        self.convert_weights, self.deploy, self.attn_types = convert_weights, deploy, attn_types
+        dpr = torch.linspace(0, drop_path_rate, sum(num_layers)).tolist()
+        self.layers = nn.ModuleList()
+        self.num_features = []
+        cur, stride_prod = 0, 1
+        for i in range(n):
+            dims = embed_dims * num_heads[i]
+            stride_prod *= patch_sizes[i]
+            grid = (img[0] // stride_prod, img[1] // stride_prod)
+            patch_embed = PatchEmbed(in_channels, dims, patch_sizes[i], strides[i],
+                                     self.norm_cfg, adaptive_padding=False, deploy=deploy)
+            blocks = nn.ModuleList()
+            if use_abs_pos_embed:
+                blocks.append(AbsolutePositionEmbedding(grid, dims, drop_rate))
+            blocks.extend(
+                PVTBlock(dims, num_heads[i], mlp_ratios[i] * dims, sr_ratios[i], attn_types[i],
+                         grid, qkv_bias, drop_rate, attn_drop_rate, dpr[cur + j], act_cfg,
+                         self.norm_cfg, deploy) for j in range(num_layers[i]))
+            norm = build_norm(self.norm_cfg, dims, deploy=deploy) if norm_after_stage else \
+                nn.Identity()
+            self.layers.append(nn.ModuleList([patch_embed, blocks, norm]))
+            self.num_features.append(dims)
+            in_channels, cur = dims, cur + num_layers[i]
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for i in range(self.frozen_stages + 1):
+            self.layers[i].eval()
+            for p in self.layers[i].parameters():
+                p.requires_grad = False
+        if mode and self.bn_stats == 'frozen':
+            for m in self.modules():
+                if isinstance(m, _BatchNorm) or type(m).__name__ == 'UN':
+                    m.eval()
+        return self
+
+    def init_weights(self) -> None:
+        if self.init_cfg is not None and self.init_cfg.get('type') == 'Pretrained':
+            from ..checkpoint_utils import load_pretrained_backbone
+            load_pretrained_backbone(self, self.init_cfg['checkpoint'],
+                                     prefix=self.init_cfg.get('prefix'),
+                                     logger=MMLogger.get_current_instance())
+            return
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_init(m, std=.02, bias=0.)
+            elif isinstance(m, nn.LayerNorm):
+                constant_init(m, 1.0)
+            elif isinstance(m, nn.Conv2d):
+                fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels // m.groups
+                normal_init(m, 0, math.sqrt(2.0 / fan_out))
+            elif isinstance(m, (AbsolutePositionEmbedding, SLA)):
+                m.init_weights()
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
+        outs = []
+        for i, (patch_embed, blocks, norm) in enumerate(self.layers):
+            x, hw = patch_embed(x)
+            for block in blocks:
+                x = block(x, hw)
+            x = norm(x)
+            x = x.transpose(1, 2).reshape(x.shape[0], -1, *hw)
+            if i in self.out_indices:
+                outs.append(x)
+        return tuple(outs)
+
+    def switch_to_deploy(self) -> None:
+        if self.training:
+            raise RuntimeError('switch_to_deploy() needs eval mode: call model.eval() first')
+        from ..reparam import deploy_children
+        deploy_children(self)
+        self.deploy = True
+
+
+@register_model()
+class PRepBNPVT(ReparamPVT):
+    """PVT v1 with every LayerNorm replaced by progressive PRepBN (SLAB)."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault('norm_cfg', dict(type='PRepBN', step=300000))
+        super().__init__(**kwargs)
+
+
+@register_model()
+class SLABPVT(ReparamPVT):
+    """SLAB-PVT: PRepBN everywhere, global SLA (no spatial reduction) in stages 1-3 and
+    spatial-reduction softmax attention in stage 4 (the Flatten-PVT layout)."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault('norm_cfg', dict(type='PRepBN', step=300000))
+        kwargs.setdefault('attn_types', ('sla', 'sla', 'sla', 'softmax'))
+        super().__init__(**kwargs)

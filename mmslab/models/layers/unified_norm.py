@@ -1,0 +1,342 @@
+"""Unified Normalization (UN, Yang et al., ACM MM 2022): an offline LayerNorm replacement.
+
+Training normalizes by a smoothed per-channel quadratic mean and back-propagates with smoothed
+gradient statistics; inference is the fixed affine ``y = w * x / sqrt(running_var + eps) + b``,
+which folds into the neighbouring Linear/Conv (see :mod:`mmslab.models.layers.affine`).
+
+Notation (paper, Sec. 3 and Algorithm 2), per channel at training iteration ``t``:
+
+* ``s_t = mean(x^2)`` over every non-channel axis (no centring);
+* window ``Omega_t = (s_t, ..., s_{t-M+1})``; ``var_t = GM(Omega_t)`` (geometric mean) once the
+  window was already full before this iteration and ``t >= warmup_iters``, otherwise ``s_t``;
+* ``z = x / sqrt(var_t + eps)``, ``y = w * z + b``; ``running_var <- a * running_var + (1 - a) * var_t``;
+* backward: ``g_z = dL/dz = w * dL/dy``, ``gz_t = mean(g_z * z)``, ``psi_t = a * psi_{t-1} +
+  (1 - a) * AM(gz_t, ..., gz_{t-M+1})`` and ``dL/dx = (g_z - psi_t * z) / sqrt(var_t + eps)``
+  (with ``gz_t`` instead of ``psi_t`` whenever the forward used ``s_t``);
+* outlier filtration (Eq. 18-19): if, in any channel, ``AM(Omega_t) - GM(Omega_t) >
+  M * Var(sqrt(Omega_{t-1}))`` the layer drops every moving average for this iteration (uses
+  ``s_t`` and ``gz_t``), and the recorded window slots of iteration ``t`` are overwritten with
+  the running estimates (``running_var`` and ``psi``) to passivate the outlier; ``running_var``
+  still takes ``s_t`` (Algorithm 2), the gradient EMA skips the iteration;
+* gradient scale: from ``max(grad_scale_start, warmup_iters)`` on, ``dL/dx`` is multiplied by
+  ``r = clamp(sqrt(var_t + eps) / sqrt(running_var + eps), 1 / clamp, clamp)``.
+
+``a`` is ``momentum`` (0.9): the weight of the *old* value, as in the paper (the opposite of
+``torch.nn.BatchNorm``'s convention).
+
+Note on the outlier test: it compares the dispersion of two overlapping windows, so it is
+scale-free; when consecutive statistics differ by independent noise rather than a smooth drift
+it fires often, and "any channel" makes a wide layer fire almost every iteration (simulated
+with i.i.d. noise, M=4: 13% of steps for one channel, 47% for 4, 100% for 96), which then
+normalizes with current statistics as during warm-up.
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from mmslab.registry import register_model
+from .affine import FoldableNorm, _broadcast
+
+# Per-iteration modes of the moving averages.
+_CURRENT = 'current'  # warm-up or window not yet full: current statistics, averages still fed
+_AVERAGE = 'average'  # geometric-mean variance and EMA gradient statistic
+_OUTLIER = 'outlier'  # outlier filtered: current statistics, averages passivated
+
+
+class _UNNormalize(torch.autograd.Function):
+    """``z = x / sqrt(var + eps)`` with UN's estimated-gradient backward.
+
+    ``var`` is a constant of the forward pass (as in the paper, the gradient does not flow
+    through the statistics); the terms it would contribute are replaced by the gradient
+    statistic ``psi`` that the owning :class:`UN` maintains.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, inv_std: Tensor, scale: Optional[Tensor], module: 'UN',
+                it: int, mode: str) -> Tensor:
+        ctx.save_for_backward(x, inv_std, scale)
+        ctx.module, ctx.it, ctx.mode = module, it, mode
+        return x * _broadcast(inv_std, x, module.data_format)
+
+    @staticmethod
+    def backward(ctx, grad_z: Tensor):
+        x, inv_std, scale = ctx.saved_tensors
+        module = ctx.module
+        fmt = module.data_format
+        inv = _broadcast(inv_std, x, fmt)
+        z = x * inv
+        gz = (grad_z * z).mean(dim=module._stat_dims(x))
+        psi = module._gradient_statistic(gz, ctx.it, ctx.mode)
+        grad_x = (grad_z - z * _broadcast(psi.to(z.dtype), x, fmt)) * inv
+        if scale is not None:
+            grad_x = grad_x * _broadcast(scale, x, fmt)
+        return grad_x, None, None, None, None, None
+
+
+@register_model('UN')
+class UN(FoldableNorm):
+    """Unified Normalization: offline per-channel normalization by a smoothed quadratic mean.
+
+    Args:
+        num_features: channels C.
+        eps: added to the variance.
+        window_size: M, number of recent iterations whose statistics are averaged (>= 2).
+        warmup_iters: iterations during which the current statistics are used (paper: 4000).
+        momentum: EMA weight of the old value for ``running_var`` and for the gradient
+            statistic (paper: 0.9). ``recalibrate_bn`` sets it to ``None`` temporarily, which
+            makes a training-mode forward a cumulative average of ``s_t`` into ``running_var``
+            and nothing else (like ``nn.BatchNorm`` with ``momentum=None``).
+        outlier_filtration: adaptive outlier filtration (on for vision in the paper).
+        grad_scale_clamp: clamp of the gradient scale ``r`` to ``[1/clamp, clamp]``; ``None``
+            disables the scale.
+        grad_scale_start: first iteration of the gradient scale; the effective start is
+            ``max(grad_scale_start, warmup_iters)``.
+        data_format: ``'channels_last'`` for ``[..., C]`` tokens, ``'channels_first'`` for
+            ``[B, C, *spatial]`` maps. Statistics are over every non-channel axis.
+        deploy: build the fused affine form (parameters ``weight``/``bias`` only) directly.
+
+    Training iteration: the moving averages advance once per *training iteration*, not per
+    forward call. Call :meth:`set_iter` before every iteration (mmslab's iteration hook does it
+    for every module with ``set_iter``: ``ProgressiveNormHook`` or
+    ``mmslab.set_progressive_iter``). The first training forward of an iteration pushes its
+    statistic into the window and updates ``running_var``; further forwards in the same
+    iteration (several losses, activation checkpointing recomputation) push nothing and
+    normalize with the same smoothed variance when the averages are active, or with their own
+    current statistic otherwise. Likewise the first backward of an iteration pushes the gradient
+    statistic; later ones reuse that iteration's estimate. A training forward before any
+    :meth:`set_iter` raises. Call :meth:`reset_iter` when fine-tuning from a checkpoint so the
+    warm-up runs again.
+
+    Shape: input and output alike, ``[..., C]`` (channels_last) or ``[B, C, *]``
+    (channels_first). Buffers: ``running_var``, ``grad_est`` ``[C]``; ``window``,
+    ``grad_window`` ``[M, C]`` (oldest first); long scalars ``cur_iter``, ``last_iter``,
+    ``grad_iter``, ``num_filled``, ``grad_filled``.
+    """
+
+    _stat_attrs = ('weight', 'bias', 'running_var', 'window', 'grad_window', 'grad_est',
+                   'cur_iter', 'last_iter', 'grad_iter', 'num_filled', 'grad_filled')
+
+    def __init__(self, num_features: int, eps: float = 1e-5, window_size: int = 4,
+                 warmup_iters: int = 4000, momentum: float = 0.9,
+                 outlier_filtration: bool = True, grad_scale_clamp: Optional[float] = 5.0,
+                 grad_scale_start: int = 1000, data_format: str = 'channels_last',
+                 deploy: bool = False):
+        if isinstance(num_features, bool) or int(num_features) != num_features \
+                or num_features < 1:
+            raise ValueError(f'UN num_features must be a positive integer, got {num_features!r}')
+        if not eps > 0:
+            raise ValueError(f'UN eps must be > 0, got {eps!r}')
+        if int(window_size) != window_size or window_size < 2:
+            raise ValueError(f'UN window_size must be an integer >= 2 (the outlier test and the '
+                             f'geometric mean need two iterations), got {window_size!r}')
+        if int(warmup_iters) != warmup_iters or warmup_iters < 0:
+            raise ValueError(f'UN warmup_iters must be an integer >= 0, got {warmup_iters!r}')
+        if momentum is None or not 0.0 < momentum < 1.0:
+            raise ValueError(f'UN momentum must lie in (0, 1) (weight of the old value), '
+                             f'got {momentum!r}')
+        if grad_scale_clamp is not None and not grad_scale_clamp >= 1.0:
+            raise ValueError(f'UN grad_scale_clamp must be >= 1 (or None to disable), '
+                             f'got {grad_scale_clamp!r}')
+        if int(grad_scale_start) != grad_scale_start or grad_scale_start < 0:
+            raise ValueError(f'UN grad_scale_start must be an integer >= 0, '
+                             f'got {grad_scale_start!r}')
+        super().__init__(int(num_features), data_format, deploy)
+        self.eps = float(eps)
+        self.window_size = int(window_size)
+        self.warmup_iters = int(warmup_iters)
+        self.momentum = float(momentum)
+        self.outlier_filtration = bool(outlier_filtration)
+        self.grad_scale_clamp = None if grad_scale_clamp is None else float(grad_scale_clamp)
+        self.grad_scale_start = int(grad_scale_start)
+        self._iter_driven = False  # set by set_iter(); checked by training forwards
+        self._iter_mode: Optional[Tuple[int, str]] = None  # (iteration, mode) of the last push
+        self._num_recal = 0  # batches averaged while momentum is None (recalibration)
+        if deploy:
+            return
+        c, m = self.num_features, self.window_size
+        self.weight = nn.Parameter(torch.ones(c))
+        self.bias = nn.Parameter(torch.zeros(c))
+        self.register_buffer('running_var', torch.ones(c))
+        self.register_buffer('window', torch.zeros(m, c))
+        self.register_buffer('grad_window', torch.zeros(m, c))
+        self.register_buffer('grad_est', torch.zeros(c))
+        self.register_buffer('cur_iter', torch.tensor(0, dtype=torch.long))
+        # Iterations whose activation / gradient statistics were last pushed (-1: none).
+        self.register_buffer('last_iter', torch.tensor(-1, dtype=torch.long))
+        self.register_buffer('grad_iter', torch.tensor(-1, dtype=torch.long))
+        # Valid entries of window / grad_window (saturate at M).
+        self.register_buffer('num_filled', torch.tensor(0, dtype=torch.long))
+        self.register_buffer('grad_filled', torch.tensor(0, dtype=torch.long))
+
+    # ------------------------------------------------------------------ iteration control
+    @property
+    def grad_scale_first_iter(self) -> int:
+        return max(self.grad_scale_start, self.warmup_iters)
+
+    def set_iter(self, cur_iter: int) -> None:
+        """Set the training iteration (0-based) used by the next training forwards."""
+        if self.deploy:
+            return
+        self.cur_iter.fill_(int(cur_iter))
+        self._iter_driven = True
+
+    def reset_iter(self) -> None:
+        """Restart from iteration 0 with empty windows, so the warm-up runs again.
+
+        ``running_var`` and the affine are kept; the gradient EMA restarts from the first
+        arithmetic mean it sees.
+        """
+        if self.deploy:
+            return
+        self.cur_iter.zero_()
+        self.last_iter.fill_(-1)
+        self.grad_iter.fill_(-1)
+        self.num_filled.zero_()
+        self.grad_filled.zero_()
+        self._iter_mode = None
+
+    def reset_running_stats(self) -> None:
+        """``running_var`` back to 1 (used by BN recalibration with ``momentum=None``)."""
+        if self.deploy:
+            return
+        self.running_var.fill_(1.0)
+        self._num_recal = 0
+
+    # ------------------------------------------------------------------ statistics
+    def _stat_dims(self, x: Tensor) -> Tuple[int, ...]:
+        if self.data_format == 'channels_last':
+            return tuple(range(x.dim() - 1))
+        return (0, *range(2, x.dim()))
+
+    def _check_input(self, x: Tensor) -> None:
+        axis = -1 if self.data_format == 'channels_last' else 1
+        if x.dim() < (1 if axis == -1 else 2) or x.shape[axis] != self.num_features:
+            raise ValueError(f'UN({self.num_features}, {self.data_format}) got input of shape '
+                             f'{tuple(x.shape)}')
+
+    @staticmethod
+    def _geometric_mean(window: Tensor) -> Tensor:
+        return window.log().mean(dim=0).exp()
+
+    @torch.no_grad()
+    def _push_statistic(self, s: Tensor, it: int) -> Tuple[Tensor, str]:
+        """First forward of iteration ``it``: update window and running_var, pick the variance."""
+        m = self.window_size
+        prev_full = int(self.num_filled) >= m
+        prev = self.window.clone()
+        self.window.copy_(torch.cat([self.window[1:], s.to(self.window)[None]]))
+        self.num_filled.fill_(min(int(self.num_filled) + 1, m))
+        mode = _CURRENT
+        var = s
+        # Averaging starts once the window was full *before* this push (t > M in the paper's
+        # 1-based count): the outlier threshold then has a full previous window.
+        if prev_full and it >= self.warmup_iters:
+            win = self.window.to(s)
+            gm = self._geometric_mean(win)
+            mode, var = _AVERAGE, gm
+            if self.outlier_filtration:
+                # Eq. 18-19: AM - GM of the current window against M * Var(sqrt) (population
+                # variance, for which the AM-GM bound holds) of the previous window.
+                threshold = m * prev.to(s).sqrt().var(dim=0, unbiased=False)
+                if bool((win.mean(dim=0) - gm > threshold).any()):
+                    mode, var = _OUTLIER, s
+        old_running = self.running_var.clone()
+        self.running_var.mul_(self.momentum).add_((1.0 - self.momentum) * var.to(old_running))
+        if mode == _OUTLIER:
+            # Passivate the outlier in later windows: its slot records the running estimate from
+            # before this iteration (the updated one already carries 10% of the outlier). The
+            # EMA itself takes s_t as in Algorithm 2: holding it instead can lock a drifting
+            # layer into filtering every step with a frozen running_var.
+            self.window[-1].copy_(old_running)
+        self.last_iter.fill_(it)
+        self._iter_mode = (it, mode)
+        return var, mode
+
+    @torch.no_grad()
+    def _gradient_statistic(self, gz: Tensor, it: int, mode: str) -> Tensor:
+        """Return the gradient statistic ``psi`` for the backward of iteration ``it``."""
+        if int(self.grad_iter) == it:
+            # Another backward in the same iteration: reuse this iteration's estimate.
+            return self.grad_est.to(gz) if mode == _AVERAGE else gz
+        m = self.window_size
+        first = int(self.grad_filled) == 0
+        self.grad_window.copy_(torch.cat([self.grad_window[1:], gz.to(self.grad_window)[None]]))
+        self.grad_filled.fill_(min(int(self.grad_filled) + 1, m))
+        self.grad_iter.fill_(it)
+        if mode == _OUTLIER:
+            # Paper: psi (the previous estimate) replaces the recorded gradient statistic; the
+            # EMA itself is left as it was so the outlier does not leak into it.
+            self.grad_window[-1].copy_(self.grad_est)
+            return gz
+        mean = self.grad_window[-int(self.grad_filled):].mean(dim=0)
+        if first:
+            # Start the EMA at the first mean instead of 0 (avoids a zero-biased estimate when
+            # warmup_iters is short; irrelevant after the default 4000 warm-up iterations).
+            self.grad_est.copy_(mean)
+        else:
+            self.grad_est.mul_(self.momentum).add_((1.0 - self.momentum) * mean)
+        # During warm-up the averages are fed but the exact current statistic is used.
+        return self.grad_est.to(gz) if mode == _AVERAGE else gz
+
+    # ------------------------------------------------------------------ forward
+    def forward_train(self, x: Tensor) -> Tensor:
+        self._check_input(x)
+        fmt = self.data_format
+        dtype = torch.promote_types(x.dtype, self.running_var.dtype)
+        xs = x.to(dtype)
+        if not self.training:
+            scale, shift = self.weight.to(dtype) * torch.rsqrt(
+                self.running_var.to(dtype) + self.eps), self.bias.to(dtype)
+            y = torch.addcmul(_broadcast(shift, xs, fmt), xs, _broadcast(scale, xs, fmt))
+            return y.to(x.dtype)
+
+        with torch.no_grad():
+            s = xs.detach().square().mean(dim=self._stat_dims(xs))
+        if self.momentum is None:
+            # BN recalibration: cumulative average of the quadratic mean, current statistics.
+            with torch.no_grad():
+                self._num_recal += 1
+                self.running_var.add_((s.to(self.running_var) - self.running_var)
+                                      / self._num_recal)
+            z = xs * _broadcast(torch.rsqrt(s + self.eps), xs, fmt)
+        else:
+            if not self._iter_driven:
+                raise RuntimeError(
+                    'UN is training but nothing sets its training iteration. Add '
+                    "custom_hooks=[dict(type='ProgressiveNormHook')] to the config, or call "
+                    'mmslab.set_progressive_iter(model, it) before each training iteration.')
+            it = int(self.cur_iter)
+            if int(self.last_iter) != it:
+                var, mode = self._push_statistic(s, it)
+            else:
+                same = self._iter_mode is not None and self._iter_mode[0] == it
+                mode = self._iter_mode[1] if same else _CURRENT
+                # Same smoothed variance as the iteration's first forward, or this call's own
+                # statistic when the averages are off (warm-up or outlier iteration).
+                var = self._geometric_mean(self.window.to(s)) if mode == _AVERAGE else s
+            var = var.to(dtype)
+            scale = None
+            if self.grad_scale_clamp is not None and it >= self.grad_scale_first_iter:
+                c = self.grad_scale_clamp
+                scale = torch.sqrt((var + self.eps) / (self.running_var.to(dtype) + self.eps))
+                scale = scale.clamp(1.0 / c, c)
+            z = _UNNormalize.apply(xs, torch.rsqrt(var + self.eps), scale, self, it, mode)
+        y = torch.addcmul(_broadcast(self.bias.to(dtype), z, fmt), z,
+                          _broadcast(self.weight.to(dtype), z, fmt))
+        return y.to(x.dtype)
+
+    def _fused_affine(self) -> Tuple[Tensor, Tensor]:
+        scale = self.weight.detach().double() * torch.rsqrt(self.running_var.double() + self.eps)
+        return scale, self.bias.detach().double()
+
+    def extra_repr(self) -> str:
+        s = f'{self.num_features}, data_format={self.data_format}'
+        if self.deploy:
+            return s + ', deploy=True'
+        return (s + f', eps={self.eps}, window_size={self.window_size}, '
+                f'warmup_iters={self.warmup_iters}, momentum={self.momentum}, '
+                f'outlier_filtration={self.outlier_filtration}, '
+                f'grad_scale_clamp={self.grad_scale_clamp}, '
+                f'grad_scale_start={self.grad_scale_start}')

@@ -1,0 +1,341 @@
+"""Normalization, attention and FFN layers, and the exactness of every fold."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mmslab  # noqa: F401  (registers everything)
+from mmslab.engine.hooks import set_progressive_iter
+from mmslab.models.layers import (SLA, BiNormAttention, ChannelIdleFFN, PRepBN, RepBN,
+                                  ShiftWindowAttention, TokenBN, WindowMSA, build_norm,
+                                  fold_affine_into_next_conv, fold_affine_into_next_linear,
+                                  fold_affine_into_prev)
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def randomize_bn(bn: nn.modules.batchnorm._BatchNorm, gen=None):
+    c = bn.num_features
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.randn(c, generator=gen))
+        bn.running_var.copy_(torch.rand(c, generator=gen) * 2 + 0.2)
+        bn.weight.copy_(torch.randn(c, generator=gen))
+        bn.bias.copy_(torch.randn(c, generator=gen))
+
+
+@pytest.mark.parametrize('dtype,tol', [(torch.float64, 1e-6), (torch.float32, 1e-4)])
+@pytest.mark.parametrize('data_format', ['channels_last', 'channels_first'])
+def test_repbn_fold_is_exact(dtype, tol, data_format):
+    torch.manual_seed(0)
+    norm = RepBN(8, data_format=data_format).to(dtype)
+    randomize_bn(norm.bn)
+    with torch.no_grad():
+        norm.alpha.fill_(0.37)
+    norm.eval()
+    x = torch.randn(2, 5, 7, 8, dtype=dtype) if data_format == 'channels_last' else \
+        torch.randn(2, 8, 5, 7, dtype=dtype)
+    ref = norm(x)
+    # Lemma 4.1 written out independently: BN(x) + alpha x.
+    bn = norm.bn
+    shape = (-1,) if data_format == 'channels_last' else (-1, 1, 1)
+    direct = ((x - bn.running_mean.view(shape)) / torch.sqrt(bn.running_var.view(shape) + bn.eps)
+              * bn.weight.view(shape) + bn.bias.view(shape) + 0.37 * x)
+    assert rel_err(ref, direct) <= tol
+    norm.switch_to_deploy()
+    assert not hasattr(norm, 'bn') and norm.deploy
+    assert rel_err(norm(x), ref) <= tol
+    norm.switch_to_deploy()  # idempotent
+    assert rel_err(norm(x), ref) <= tol
+    fused = RepBN(8, data_format=data_format, deploy=True).to(dtype)
+    fused.load_state_dict(norm.state_dict())
+    assert rel_err(fused(x), ref) <= tol
+
+
+def test_repbn_train_mode_uses_batch_statistics_and_refuses_deploy():
+    norm = RepBN(4)
+    x = torch.randn(3, 10, 4) * 5 + 2
+    y = norm(x)
+    flat = x.reshape(-1, 4)
+    expected = (flat - flat.mean(0)) / torch.sqrt(flat.var(0, unbiased=False) + 1e-5) + flat
+    assert torch.allclose(y.reshape(-1, 4), expected, atol=1e-5)
+    with pytest.raises(RuntimeError, match='eval mode'):
+        norm.switch_to_deploy()
+
+
+@pytest.mark.parametrize('dtype,tol', [(torch.float64, 1e-6), (torch.float32, 1e-4)])
+def test_fold_helpers_are_exact(dtype, tol):
+    torch.manual_seed(1)
+    scale, shift = torch.randn(6, dtype=dtype), torch.randn(6, dtype=dtype)
+    x = torch.randn(4, 6, dtype=dtype)
+    for bias in (True, False):
+        lin = nn.Linear(6, 5, bias=bias).to(dtype)
+        assert rel_err(fold_affine_into_next_linear(lin, scale, shift)(x),
+                       lin(x * scale + shift)) <= tol
+    conv = nn.Conv2d(3, 6, 3, stride=2, padding=1).to(dtype)
+    img = torch.randn(2, 3, 9, 9, dtype=dtype)
+    ref = conv(img) * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1)
+    assert rel_err(fold_affine_into_prev(conv, scale, shift)(img), ref) <= tol
+    lin = nn.Linear(5, 6).to(dtype)
+    z = torch.randn(3, 5, dtype=dtype)
+    assert rel_err(fold_affine_into_prev(lin, scale, shift)(z), lin(z) * scale + shift) <= tol
+    conv1 = nn.Conv2d(6, 4, 1).to(dtype)
+    fmap = torch.randn(2, 6, 5, 5, dtype=dtype)
+    ref = conv1(fmap * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1))
+    assert rel_err(fold_affine_into_next_conv(conv1, scale, shift)(fmap), ref) <= tol
+    with pytest.raises(ValueError, match='no padding'):
+        fold_affine_into_next_conv(nn.Conv2d(6, 4, 3, padding=1), scale, shift)
+
+
+def test_prepbn_schedule_values():
+    norm = PRepBN(4, step=100, warmup=10)
+    expected = {0: 1.0, 9: 1.0, 10: 1.0, 60: 0.5, 110: 0.0, 500: 0.0}
+    for it, g in expected.items():
+        norm.set_iter(it)
+        assert norm.ratio == pytest.approx(g), it
+    half = PRepBN(4, step=100, r0=0.8)
+    half.set_iter(50)
+    assert half.ratio == pytest.approx(0.4)
+
+
+def test_prepbn_forward_mixes_ln_and_repbn():
+    torch.manual_seed(0)
+    norm = PRepBN(6, step=10)
+    x = torch.randn(2, 9, 6) * 3 + 1
+    norm.set_iter(5)
+    ln = copy.deepcopy(norm.norm1)
+    rep = copy.deepcopy(norm.norm2)
+    y = norm(x)
+    assert torch.allclose(y, 0.5 * ln(x) + 0.5 * rep(x), atol=1e-6)
+    norm.eval()
+    assert torch.allclose(norm(x), norm.norm2(x))  # eval is pure RepBN
+
+
+def test_prepbn_skips_layernorm_when_schedule_finished():
+    norm = PRepBN(4, step=10)
+    calls = []
+    norm.norm1.register_forward_hook(lambda *a: calls.append(1))
+    norm.set_iter(3)
+    norm(torch.randn(2, 3, 4))
+    assert len(calls) == 1
+    norm.set_iter(10)
+    norm(torch.randn(2, 3, 4))
+    assert len(calls) == 1
+
+
+def test_prepbn_without_schedule_driver_fails_loudly():
+    norm = PRepBN(4, step=10)
+    with pytest.raises(RuntimeError, match='ProgressiveNormHook'):
+        norm(torch.randn(2, 3, 4))
+    norm.eval()
+    norm(torch.randn(2, 3, 4))  # eval needs no schedule
+
+
+def test_prepbn_schedule_follows_iterations_not_forward_calls_and_resumes():
+    model = nn.Sequential(PRepBN(4, step=20), PRepBN(4, step=20, warmup=4))
+
+    def ratios(m):
+        return [layer.ratio for layer in m]
+
+    uninterrupted = []
+    for it in range(12):
+        set_progressive_iter(model, it)
+        for _ in range(3):  # gradient accumulation / extra forwards
+            model(torch.randn(2, 3, 4))
+        uninterrupted.append(ratios(model))
+    # Interrupted at iteration 6: save, rebuild, load, continue.
+    first = nn.Sequential(PRepBN(4, step=20), PRepBN(4, step=20, warmup=4))
+    resumed_seq = []
+    for it in range(6):
+        set_progressive_iter(first, it)
+        first(torch.randn(2, 3, 4))
+        resumed_seq.append(ratios(first))
+    state = first.state_dict()
+    assert int(state['0.cur_iter']) == 5
+    second = nn.Sequential(PRepBN(4, step=20), PRepBN(4, step=20, warmup=4))
+    second.load_state_dict(state)
+    assert ratios(second) == resumed_seq[-1]
+    for it in range(6, 12):
+        set_progressive_iter(second, it)
+        second(torch.randn(2, 3, 4))
+        resumed_seq.append(ratios(second))
+    assert resumed_seq == uninterrupted
+    assert uninterrupted[0] == [1.0, 1.0] and uninterrupted[-1][0] == pytest.approx(1 - 11 / 20)
+
+
+def test_prepbn_schedule_offset_keeps_finished_schedule_finished():
+    norm = PRepBN(4, step=100, warmup=10)
+    norm.schedule_offset.fill_(1.0)
+    norm.set_iter(0)
+    assert norm.ratio == 0.0
+    norm.reset_schedule()
+    assert norm.ratio == 1.0
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(step=0), 'step'), (dict(step=-5), 'step'), (dict(warmup=-1), 'warmup'),
+    (dict(r0=1.5), 'r0'), (dict(data_format='nchw'), 'data_format')])
+def test_prepbn_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PRepBN(4, **kwargs)
+
+
+def test_build_norm_validates():
+    assert isinstance(build_norm(dict(type='LN'), 8), nn.LayerNorm)
+    assert isinstance(build_norm(dict(type='PRepBN', step=5), 8), PRepBN)
+    with pytest.raises(ValueError, match="valid types"):
+        build_norm(dict(type='GN'), 8)
+    with pytest.raises(ValueError, match='unexpected keyword|invalid'):
+        build_norm(dict(type='RepBN', stepz=3), 8)
+    with pytest.raises(ValueError, match='dict'):
+        build_norm('LN', 8)
+
+
+@pytest.mark.parametrize('dtype,tol', [(torch.float64, 1e-6), (torch.float32, 1e-4)])
+@pytest.mark.parametrize('idle_ratio', [0.0, 0.75, 1.0])
+def test_channel_idle_ffn_fold_is_exact(dtype, tol, idle_ratio):
+    torch.manual_seed(2)
+    ffn = ChannelIdleFFN(8, 32, idle_ratio=idle_ratio).to(dtype)
+    randomize_bn(ffn.norm1)
+    randomize_bn(ffn.norm2)
+    ffn.eval()
+    x = torch.randn(2, 11, 8, dtype=dtype)
+    ref = ffn(x)
+    # Independent form of the training computation.
+    bn1 = (x - ffn.norm1.running_mean) / torch.sqrt(ffn.norm1.running_var + 1e-5) * \
+        ffn.norm1.weight + ffn.norm1.bias
+    h = ffn.fc1(bn1)
+    k = math.ceil(32 * (1 - idle_ratio))
+    h = torch.cat([F.gelu(h[..., :k]), h[..., k:]], -1)
+    h = (h - ffn.norm2.running_mean) / torch.sqrt(ffn.norm2.running_var + 1e-5) * \
+        ffn.norm2.weight + ffn.norm2.bias
+    assert rel_err(ref, x + ffn.fc2(h)) <= tol
+    ffn.switch_to_deploy()
+    ffn.switch_to_deploy()
+    assert rel_err(ffn(x), ref) <= tol
+    n_params = sum(p.numel() for p in ffn.parameters())
+    assert n_params == 8 * 8 + 8 + (8 * k + k + k * 8 if k else 0)
+    fresh = ChannelIdleFFN(8, 32, idle_ratio=idle_ratio, deploy=True).to(dtype)
+    fresh.load_state_dict(ffn.state_dict())
+    assert rel_err(fresh(x), ref) <= tol
+
+
+def test_channel_idle_ffn_validates_and_refuses_train_mode():
+    with pytest.raises(ValueError, match='idle_ratio'):
+        ChannelIdleFFN(8, 32, idle_ratio=1.2)
+    with pytest.raises(RuntimeError, match='eval mode'):
+        ChannelIdleFFN(8, 32).switch_to_deploy()
+
+
+def naive_sla(qkv, pos, dwc, num_heads, grid, valid=None):
+    """Quadratic-order SLA on one window: explicit similarity matrix."""
+    n, c3 = qkv.shape
+    c = c3 // 3
+    q, k, v = qkv[:, :c], qkv[:, c:2 * c], qkv[:, 2 * c:]
+    k = k + pos
+    if valid is not None:
+        q, k, v = q[valid], k[valid], v[valid]
+    d = c // num_heads
+    outs = []
+    for h in range(num_heads):
+        qh, kh, vh = (F.relu(q[:, h * d:(h + 1) * d]), F.relu(k[:, h * d:(h + 1) * d]),
+                      v[:, h * d:(h + 1) * d])
+        sim = qh @ kh.T  # [N, N]
+        outs.append((sim @ vh) / (sim.sum(-1, keepdim=True) + 1e-6))
+    out = torch.cat(outs, -1)
+    gh, gw = grid
+    v_map = v.view(gh, gw, num_heads, d).permute(2, 3, 0, 1)  # [heads, d, gh, gw]
+    dw = F.conv2d(v_map, dwc.weight, dwc.bias, padding=dwc.padding, groups=d)
+    return out + dw.permute(2, 3, 0, 1).reshape(gh * gw, c)
+
+
+def test_sla_matches_naive_quadratic_computation():
+    torch.manual_seed(3)
+    sla = SLA(16, 2, 4).double()
+    nn.init.normal_(sla.positional_encoding, std=0.5)
+    qkv = torch.randn(3, 16, 48, dtype=torch.float64)
+    out = sla.attend(qkv, 3, (4, 4))
+    for b in range(3):
+        ref = naive_sla(qkv[b], sla.positional_encoding[0], sla.dwc, 2, (4, 4))
+        assert rel_err(out[b], ref) <= 1e-10
+
+
+def test_sla_padding_does_not_change_valid_tokens():
+    torch.manual_seed(4)
+    attn = ShiftWindowAttention(16, 2, 8, attn_type='sla').double()
+    nn.init.normal_(attn.w_msa.positional_encoding, std=0.5)
+    # 6x7 map inside one 8x8 window: same as the naive formula on the valid tokens with the
+    # positional encoding of their window positions and zero-padded DWC.
+    x = torch.randn(1, 42, 16, dtype=torch.float64)
+    out = attn(x, (6, 7))
+    qkv = attn.w_msa.qkv(x)[0]
+    pos = attn.w_msa.positional_encoding.view(8, 8, 16)[:6, :7].reshape(42, 16)
+    ref = attn.w_msa.proj(naive_sla(qkv, pos, attn.w_msa.dwc, 2, (6, 7)))
+    assert rel_err(out[0], ref) <= 1e-10
+    # 12x12 map in 8x8 windows: padded to 16x16; the padded tokens must not leak.
+    x = torch.randn(1, 144, 16, dtype=torch.float64)
+    out = attn(x, (12, 12)).view(12, 12, 16)
+    qkv = attn.w_msa.qkv(x)[0].view(12, 12, 48)
+    win = qkv[8:12, 0:8].reshape(32, 48)  # window (1, 0): 4 valid rows of 8
+    pos = attn.w_msa.positional_encoding.view(8, 8, 16)[:4, :8].reshape(32, 16)
+    ref = attn.w_msa.proj(naive_sla(win, pos, attn.w_msa.dwc, 2, (4, 8)))
+    assert rel_err(out[8:12, 0:8].reshape(32, 16), ref) <= 1e-10
+
+
+def test_binorm_matches_naive_and_ignores_padding():
+    torch.manual_seed(5)
+    attn = ShiftWindowAttention(8, 2, 4, attn_type='binorm').double()
+    x = torch.randn(1, 6 * 4, 8, dtype=torch.float64)
+    out = attn(x, (6, 4)).view(6, 4, 8)
+    qkv = attn.w_msa.qkv(x)[0].view(6, 4, 24)
+    for rows in (slice(0, 4), slice(4, 6)):  # a full window and a padded one
+        win = qkv[rows].reshape(-1, 24)
+        q, k, v = win[:, :8], win[:, 8:16], win[:, 16:]
+        heads = []
+        for h in range(2):
+            sl = slice(h * 4, (h + 1) * 4)
+            kv = k[:, sl].T @ v[:, sl]
+            heads.append((q[:, sl] / q[:, sl].norm(dim=-1, keepdim=True)) @
+                         (kv / kv.norm(dim=0, keepdim=True)))
+        ref = attn.w_msa.proj(torch.cat(heads, -1))
+        assert rel_err(out[rows].reshape(-1, 8), ref) <= 1e-10
+
+
+def test_window_msa_matches_explicit_softmax_with_shift_mask():
+    torch.manual_seed(6)
+    attn = ShiftWindowAttention(8, 2, 4, shift=True, attn_type='window').double()
+    attn.w_msa.init_weights()
+    x = torch.randn(2, 8 * 8, 8, dtype=torch.float64)
+    ref_out = attn(x, (8, 8))
+    # Deploy form caches bias + mask and must agree.
+    attn.eval()
+    attn.w_msa.switch_to_deploy()
+    assert rel_err(attn(x, (8, 8)), ref_out) <= 1e-10
+    assert attn.w_msa.relative_position_bias.shape == (2, 16, 16)
+
+
+def test_attention_type_and_argument_errors():
+    with pytest.raises(ValueError, match='valid types'):
+        ShiftWindowAttention(8, 2, 4, attn_type='flash')
+    with pytest.raises(ValueError, match='divisible'):
+        WindowMSA(10, 3, 4)
+    with pytest.raises(ValueError, match='attn_drop'):
+        SLA(8, 2, 4, attn_drop=0.1)
+    with pytest.raises(ValueError, match='tokens'):
+        ShiftWindowAttention(8, 2, 4)(torch.randn(1, 10, 8), (3, 3))
+    with pytest.raises(ValueError, match='RepBN'):
+        RepBN(4)(torch.randn(2, 3, 5))
+
+
+def test_tokenbn_fold():
+    norm = TokenBN(5).double()
+    randomize_bn(norm.bn)
+    norm.eval()
+    x = torch.randn(3, 4, 5, dtype=torch.float64)
+    ref = norm(x)
+    norm.switch_to_deploy()
+    assert rel_err(norm(x), ref) <= 1e-12

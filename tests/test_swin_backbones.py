@@ -1,0 +1,218 @@
+"""The configurable Swin: mmdet equivalence, presets, freezing, and exact re-parameterization."""
+import pytest
+import torch
+import torch.nn as nn
+
+import mmslab
+from mmslab.engine.hooks import set_progressive_iter
+from mmslab.models import ReparamSwinTransformer, statistic_modules
+from mmslab.models.layers import FoldableNorm
+
+TINY = dict(embed_dims=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), window_size=4,
+            drop_path_rate=0.0)
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def build(type_, **kwargs):
+    from mmdet.registry import MODELS
+    cfg = dict(type=type_, **TINY)
+    cfg.update(kwargs)
+    return MODELS.build(cfg)
+
+
+def randomize_statistics(model: nn.Module, gen_seed=0):
+    """Random BN statistics/affines and alphas so folds are tested away from identity."""
+    g = torch.Generator().manual_seed(gen_seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                c = m.num_features
+                m.running_mean.copy_(torch.randn(c, generator=g) * 0.5)
+                m.running_var.copy_(torch.rand(c, generator=g) + 0.5)
+                m.weight.copy_(1 + 0.3 * torch.randn(c, generator=g))
+                m.bias.copy_(0.3 * torch.randn(c, generator=g))
+            if hasattr(m, 'alpha') and isinstance(m.alpha, nn.Parameter):
+                m.alpha.fill_(float(torch.rand(1, generator=g)))
+
+
+def test_vanilla_config_equals_mmdet_swin():
+    from mmdet.models.backbones import SwinTransformer
+    torch.manual_seed(0)
+    ref = SwinTransformer(**TINY, out_indices=(0, 1, 2, 3))
+    ref.init_weights()
+    ref.eval()  # mmdet's Swin.train() returns None: no chaining
+    ours = ReparamSwinTransformer(**TINY, norm_cfg=dict(type='LN')).eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    for hw in [(64, 64), (70, 90), (33, 47)]:
+        x = torch.randn(1, 3, *hw)
+        with torch.no_grad():
+            a, b = ref(x), ours(x)
+        assert len(a) == len(b) == 4
+        for ra, rb in zip(a, b):
+            assert ra.shape == rb.shape
+            assert rel_err(rb, ra) <= 1e-5, hw
+
+
+@pytest.mark.parametrize('type_', ['PRepBNSwin', 'SLABSwin', 'RePaSwin'])
+def test_mmdet_swin_weights_load_into_each_preset_with_layernorm(type_):
+    from mmdet.models.backbones import SwinTransformer
+    ref = SwinTransformer(**TINY)
+    ref.eval()
+    kwargs = dict(norm_cfg=dict(type='LN'))
+    if type_ == 'SLABSwin':
+        kwargs['attn_types'] = ('window', ) * 4
+        kwargs['window_size'] = 4
+    if type_ == 'RePaSwin':
+        kwargs['ffn_type'] = 'mlp'
+    ours = build(type_, **kwargs).eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(1, 3, 48, 56)
+    with torch.no_grad():
+        for ra, rb in zip(ref(x), ours(x)):
+            assert rel_err(rb, ra) <= 1e-5
+
+
+PRESETS = {
+    'PRepBNSwin': dict(norm_cfg=dict(type='PRepBN', step=4)),
+    'SLABSwin': dict(norm_cfg=dict(type='PRepBN', step=4), window_size=(8, 4, 2, 2)),
+    'RePaSwin': dict(),
+    'RePaSwinPRepBN': dict(norm_cfg=dict(type='PRepBN', step=4)),
+    'UNSwin': dict(norm_cfg=dict(type='UN', warmup_iters=1, window_size=2)),
+    'BiNormSwin': dict(norm_cfg=dict(type='RepBN'), attn_types=('binorm', 'binorm', 'window',
+                                                                'window')),
+}
+PRESET_TYPE = {'RePaSwinPRepBN': 'RePaSwin', 'UNSwin': 'ReparamSwinTransformer',
+               'BiNormSwin': 'ReparamSwinTransformer'}
+
+
+def build_preset(name, **extra):
+    kwargs = dict(PRESETS[name])
+    kwargs.update(extra)
+    return build(PRESET_TYPE.get(name, name), **kwargs)
+
+
+@pytest.mark.parametrize('name', list(PRESETS))
+def test_preset_shapes_train_step_and_exact_reparameterization(name):
+    torch.manual_seed(0)
+    model = build_preset(name)
+    model.init_weights()
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for it in range(3):  # move BN statistics and the schedule
+        set_progressive_iter(model, it)
+        outs = model(torch.randn(2, 3, 64, 72))
+        loss = sum(o.square().mean() for o in outs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    randomize_statistics(model)
+    model.eval()
+    for hw in [(64, 64), (75, 50), (33, 97)]:
+        x = torch.randn(1, 3, *hw)
+        with torch.no_grad():
+            outs = model(x)
+        strides = [4, 8, 16, 32]
+        for o, s, c in zip(outs, strides, [16, 32, 64, 128]):
+            assert o.shape == (1, c, -(-hw[0] // s), -(-hw[1] // s)), (hw, o.shape)
+    x = torch.randn(2, 3, 61, 83)
+    with torch.no_grad():
+        ref = model(x)
+        mmslab.reparameterize(model)
+        fused = model(x)
+        mmslab.reparameterize(model)  # idempotent
+        again = model(x)
+    for r, f, a in zip(ref, fused, again):
+        assert rel_err(f, r) <= 1e-4
+        assert torch.equal(f, a)
+    left = statistic_modules(model)
+    if name == 'RePaSwin':  # the authors' setting keeps LayerNorm before attention
+        assert left and all(t == 'LayerNorm' for _, t in left)
+    else:
+        assert left == []
+    assert not any(isinstance(m, FoldableNorm) and not m.deploy for m in model.modules())
+    # A deploy=True build has the fused structure: the fused state_dict loads strictly.
+    deployed = build_preset(name, deploy=True).eval()
+    deployed.load_state_dict(model.state_dict(), strict=True)
+    with torch.no_grad():
+        for r, d in zip(ref, deployed(x)):
+            assert rel_err(d, r) <= 1e-4
+
+
+def test_repa_swin_parameter_count_after_fusion_follows_formula():
+    model = build('RePaSwin', norm_cfg=dict(type='LN')).eval()
+    ffn_before = sum(p.numel() for n, p in model.named_parameters() if '.ffn.' in n)
+    mmslab.reparameterize(model)
+    ffn_after = sum(p.numel() for n, p in model.named_parameters() if '.ffn.' in n)
+    # Seed 004 sec. 4.3: per FFN (2*mu + 1) C^2 weights (+ biases), mu = k / C = 1 here.
+    expected = 0
+    for stage, c in zip(model.stages, [16, 32, 64, 128]):
+        k = c  # ceil(4C * 0.25)
+        expected += len(stage.blocks) * ((2 * k // c + 1) * c * c + c + k)
+    assert ffn_after == expected
+    assert ffn_after < ffn_before
+
+
+def test_frozen_stages_and_bn_stats_policy():
+    model = build('PRepBNSwin', norm_cfg=dict(type='PRepBN', step=4), frozen_stages=1,
+                  bn_stats='frozen')
+    model.train()
+    assert not any(p.requires_grad for p in model.patch_embed.parameters())
+    assert not any(p.requires_grad for p in model.stages[0].parameters())
+    assert not any(p.requires_grad for p in model.norm0.parameters())
+    assert all(p.requires_grad for p in model.stages[1].parameters())
+    assert not model.stages[0].training and model.stages[1].training
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
+    assert bns and not any(m.training for m in bns)
+    before = bns[-1].running_mean.clone()
+    set_progressive_iter(model, 10)
+    model(torch.randn(2, 3, 64, 64))
+    assert torch.equal(before, bns[-1].running_mean)
+    alpha = model.stages[1].blocks[0].norm1.norm2.alpha
+    assert alpha.requires_grad
+
+
+def test_with_cp_gives_same_gradients():
+    torch.manual_seed(0)
+    a = build('PRepBNSwin', norm_cfg=dict(type='PRepBN', step=4))
+    b = build('PRepBNSwin', norm_cfg=dict(type='PRepBN', step=4), with_cp=True)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    for m in (a, b):
+        m.train()
+        set_progressive_iter(m, 1)
+        sum(o.sum() for o in m(x)).backward()
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(pa.grad, pb.grad, atol=1e-5), n
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(arch='huge'), 'arch'), (dict(attn_types=('window', 'softmax', 'window', 'window')),
+                                  'attention type'),
+    (dict(norm_cfg=dict(type='GN')), 'valid types'), (dict(ffn_type='moe'), 'ffn_type'),
+    (dict(bn_stats='sync'), 'bn_stats'), (dict(out_indices=(0, 4)), 'out_indices'),
+    (dict(ffn_type='channel_idle', idle_ratio=-0.1), 'idle_ratio')])
+def test_backbone_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ReparamSwinTransformer(**{**TINY, **kwargs})
+
+
+def test_registered_in_both_scopes():
+    from mmdet.registry import MODELS as DET
+    from mmseg.registry import MODELS as SEG
+    for name in ('ReparamSwinTransformer', 'PRepBNSwin', 'SLABSwin', 'RePaSwin', 'RepBN',
+                 'PRepBN', 'UN', 'SLA'):
+        assert DET.get(name) is SEG.get(name) is not None
+
+
+def test_registering_a_taken_name_is_an_error():
+    from mmslab.registry import register_model
+    with pytest.raises(KeyError, match='already taken'):
+        register_model('SwinTransformer')(type('Clash', (nn.Module, ), {}))
+    with pytest.raises(KeyError, match='already taken'):
+        register_model('RepBN')(type('Clash2', (nn.Module, ), {}))
+    with pytest.raises(KeyError, match='already taken'):
+        register_model('LN')(type('Clash3', (nn.Module, ), {}))

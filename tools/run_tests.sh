@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Install whatever is missing, then run the test suite: bash tools/run_tests.sh [pytest args]
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$REPO/tools/install_deps.sh"
+cd "$REPO"
+# pytest exits 5 when it collects nothing; that is a failure here, like any non-zero code.
+exec "$REPO/.venv/bin/python" -m pytest -q "$@"

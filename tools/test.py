@@ -1,0 +1,212 @@
+"""Evaluate a checkpoint of an mmdet or mmseg model with mmslab's components registered.
+
+    python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--out FILE_OR_DIR] [--show]
+                         [--show-dir DIR] [--wait-time S] [--cfg-options KEY=VALUE ...]
+                         [--launcher {none,pytorch,slurm,mpi}] [--tta]
+
+The config's ``default_scope`` ('mmdet' or 'mmseg') selects the codebase. ``--out`` is a pickle
+file of raw detections (mmdet) or a directory of predicted label maps (mmseg). The metrics are
+logged as usual and, on the main process, printed as one JSON line starting with
+``mmslab-test-metrics:``. Multi-process testing: ``tools/dist_test.sh CONFIG CKPT NPROC [args]``.
+"""
+# TODO(mmslab): --reparam/--no-reparam (structural re-parameterization before testing) and
+# --latency (time the model) are added to this command line by another worker.
+import argparse
+import copy
+import datetime
+import json
+import os
+import os.path as osp
+import sys
+import warnings
+
+REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from mmengine.config import Config, ConfigDict, DictAction  # noqa: E402
+from mmengine.dist import is_main_process  # noqa: E402
+from mmengine.registry import RUNNERS, init_default_scope  # noqa: E402
+from mmengine.runner import Runner  # noqa: E402
+
+import mmslab  # noqa: E402,F401  (registers mmslab's components)
+import mmslab.engine  # noqa: E402,F401  (weights-only checkpoint loading for mmengine)
+
+SCOPES = ('mmdet', 'mmseg')
+METRICS_PREFIX = 'mmslab-test-metrics: '
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description='Test (and evaluate) an mmdet/mmseg model')
+    parser.add_argument('config', help='test config file path')
+    parser.add_argument('checkpoint', help='checkpoint file')
+    parser.add_argument('--work-dir', help='the directory to save the evaluation metrics')
+    parser.add_argument('--out', type=str,
+                        help='mmdet: dump predictions to this .pkl file for offline evaluation; '
+                        'mmseg: save predicted label maps to this directory')
+    parser.add_argument('--show', action='store_true', help='show prediction results')
+    parser.add_argument('--show-dir', help='directory where painted images are saved')
+    parser.add_argument('--wait-time', type=float, default=2,
+                        help='the interval of show (s)')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config settings, e.g. test_dataloader.batch_size=2')
+    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
+                        default='none', help='job launcher')
+    parser.add_argument('--tta', action='store_true', help='test-time augmentation (flip)')
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    args = parser.parse_args(argv)
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    return args
+
+
+def resolve_scope(cfg: Config, config_path: str) -> str:
+    """The config's ``default_scope``; exits with a clear message if it is missing or unknown."""
+    scope = cfg.get('default_scope', None)
+    if scope not in SCOPES:
+        what = 'has no default_scope' if scope is None else f'has default_scope={scope!r}'
+        raise SystemExit(f'error: config {config_path} {what}; mmslab tools need '
+                         f"default_scope = 'mmdet' (detection) or 'mmseg' (segmentation).")
+    return scope
+
+
+def setup_cpu_distributed(cfg: Config, launcher: str) -> bool:
+    """gloo process group and CPU DDP wrapper for ``launcher='pytorch'`` without CUDA.
+
+    Same as in ``tools/train.py``: mmengine's own initialisation would call
+    ``torch.cuda.set_device``. Returns whether a process group was created here.
+    """
+    if launcher != 'pytorch' or torch.cuda.is_available():
+        return False
+    import torch.distributed as dist
+    cfg.merge_from_dict({'env_cfg.dist_cfg.backend': 'gloo'})
+    if cfg.get('model_wrapper_cfg', None) is None:
+        cfg.model_wrapper_cfg = dict(type='MMDistributedDataParallel', device_ids=None)
+    if dist.is_initialized():
+        return False
+    kwargs = {}
+    timeout = cfg.env_cfg.dist_cfg.get('timeout', None)
+    if timeout is not None:
+        kwargs['timeout'] = datetime.timedelta(seconds=timeout)
+    dist.init_process_group(backend='gloo', init_method='env://', **kwargs)
+    return True
+
+
+def trigger_visualization_hook(cfg: Config, args, scope: str) -> None:
+    hooks = cfg.get('default_hooks', None) or {}
+    if 'visualization' not in hooks:
+        raise SystemExit('error: --show/--show-dir need a visualization hook in default_hooks, '
+                         "e.g. visualization=dict(type='DetVisualizationHook') or "
+                         "dict(type='SegVisualizationHook').")
+    hook = hooks['visualization']
+    hook['draw'] = True
+    if args.show:
+        hook['show'] = True
+        hook['wait_time'] = args.wait_time
+    if args.show_dir:
+        if scope == 'mmdet':
+            hook['test_out_dir'] = args.show_dir
+        else:
+            cfg.visualizer['save_dir'] = args.show_dir
+
+
+def _innermost_dataset(dataset_cfg):
+    while 'dataset' in dataset_cfg:
+        dataset_cfg = dataset_cfg['dataset']
+    return dataset_cfg
+
+
+def setup_tta(cfg: Config, scope: str) -> None:
+    """Wrap the model in the codebase's TTA model; default: horizontal flip, no flip."""
+    test_data_cfg = _innermost_dataset(cfg.test_dataloader.dataset)
+    if 'tta_model' not in cfg:
+        warnings.warn('Cannot find tta_model in the config; using a default one.')
+        if scope == 'mmdet':
+            cfg.tta_model = dict(type='DetTTAModel',
+                                 tta_cfg=dict(nms=dict(type='nms', iou_threshold=0.5),
+                                              max_per_img=100))
+        else:
+            cfg.tta_model = dict(type='SegTTAModel')
+    if 'tta_pipeline' not in cfg:
+        warnings.warn('Cannot find tta_pipeline in the config; using a flip pipeline.')
+        pipeline = copy.deepcopy(test_data_cfg.pipeline)
+        pack = pipeline[-1]
+        if scope == 'mmdet':
+            # flipping back needs flip / flip_direction in the packed meta information
+            meta_keys = list(pack.get('meta_keys', ('img_id', 'img_path', 'ori_shape',
+                                                    'img_shape', 'scale_factor')))
+            meta_keys += [k for k in ('flip', 'flip_direction') if k not in meta_keys]
+            pack = dict(pack, meta_keys=tuple(meta_keys))
+        flips = [dict(type='RandomFlip', prob=1.), dict(type='RandomFlip', prob=0.)]
+        pipeline[-1] = dict(type='TestTimeAug', transforms=[flips, [pack]])
+        cfg.tta_pipeline = pipeline
+    cfg.model = ConfigDict(**cfg.tta_model, module=cfg.model)
+    test_data_cfg.pipeline = cfg.tta_pipeline
+    if 'batch_shapes_cfg' in test_data_cfg:
+        test_data_cfg.batch_shapes_cfg = None
+
+
+def setup_seg_out(cfg: Config, out_dir: str) -> None:
+    evaluators = cfg.test_evaluator
+    for evaluator in evaluators if isinstance(evaluators, (list, tuple)) else [evaluators]:
+        evaluator['output_dir'] = out_dir
+        evaluator['keep_results'] = True
+
+
+def _jsonable(value):
+    if isinstance(value, (np.generic, torch.Tensor)) and np.size(value) == 1:
+        return value.item()
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        return value.tolist()
+    return str(value)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = Config.fromfile(args.config)
+    cfg.launcher = args.launcher
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+    scope = resolve_scope(cfg, args.config)
+    init_default_scope(scope)
+
+    if args.work_dir is not None:
+        cfg.work_dir = args.work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+
+    cfg.load_from = args.checkpoint
+    cfg.resume = False
+
+    if args.show or args.show_dir:
+        trigger_visualization_hook(cfg, args, scope)
+    if args.tta:
+        setup_tta(cfg, scope)
+    if args.out is not None and scope == 'mmseg':
+        setup_seg_out(cfg, args.out)
+
+    own_group = setup_cpu_distributed(cfg, args.launcher)
+
+    if 'runner_type' not in cfg:
+        runner = Runner.from_cfg(cfg)
+    else:
+        runner = RUNNERS.build(cfg)
+
+    if args.out is not None and scope == 'mmdet':
+        if not args.out.endswith(('.pkl', '.pickle')):
+            raise SystemExit('error: --out must be a .pkl or .pickle file for mmdet configs.')
+        from mmdet.evaluation import DumpDetResults
+        runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))
+
+    metrics = runner.test()
+    if is_main_process():
+        print(METRICS_PREFIX + json.dumps(dict(metrics or {}), default=_jsonable), flush=True)
+    if own_group:
+        torch.distributed.destroy_process_group()
+    return metrics
+
+
+if __name__ == '__main__':
+    main()

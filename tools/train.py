@@ -1,0 +1,160 @@
+"""Train an mmdet or mmseg model with mmslab's components registered.
+
+    python tools/train.py CONFIG [--work-dir DIR] [--amp] [--auto-scale-lr] [--resume [CKPT]]
+                                 [--cfg-options KEY=VALUE ...] [--launcher {none,pytorch,slurm,mpi}]
+
+The config's ``default_scope`` ('mmdet' or 'mmseg') selects the codebase. ``--resume`` without a
+path resumes from the latest checkpoint in the work directory. Multi-process training:
+``tools/dist_train.sh CONFIG NPROC [args]``; on a machine without CUDA the processes talk over gloo.
+"""
+import argparse
+import datetime
+import logging
+import os
+import os.path as osp
+import sys
+
+REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import torch  # noqa: E402
+from mmengine.config import Config, DictAction  # noqa: E402
+from mmengine.logging import print_log  # noqa: E402
+from mmengine.registry import RUNNERS, init_default_scope  # noqa: E402
+from mmengine.runner import Runner  # noqa: E402
+
+import mmslab  # noqa: E402,F401  (registers mmslab's components)
+import mmslab.engine  # noqa: E402,F401  (weights-only checkpoint loading for mmengine)
+
+SCOPES = ('mmdet', 'mmseg')
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description='Train an mmdet/mmseg model with mmslab')
+    parser.add_argument('config', help='train config file path')
+    parser.add_argument('--work-dir', help='the directory to save logs and checkpoints')
+    parser.add_argument('--amp', action='store_true',
+                        help='enable automatic mixed precision training (needs a GPU)')
+    parser.add_argument('--auto-scale-lr', action='store_true',
+                        help='scale the learning rate with the total batch size '
+                        '(uses auto_scale_lr.base_batch_size of the config)')
+    parser.add_argument('--resume', nargs='?', type=str, const='auto',
+                        help='resume from this checkpoint; without a path, resume from the '
+                        'latest checkpoint in the work directory')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config settings, e.g. train_cfg.max_iters=10 '
+                        'key="[a,b]" or key=a,b; nested lists/tuples need quotes: '
+                        'key="[(a,b),(c,d)]"')
+    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
+                        default='none', help='job launcher')
+    # torch.distributed.launch passes --local-rank (torch >= 2.0) or --local_rank.
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    args = parser.parse_args(argv)
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    return args
+
+
+def resolve_scope(cfg: Config, config_path: str) -> str:
+    """The config's ``default_scope``; exits with a clear message if it is missing or unknown."""
+    scope = cfg.get('default_scope', None)
+    if scope not in SCOPES:
+        what = 'has no default_scope' if scope is None else f'has default_scope={scope!r}'
+        raise SystemExit(f'error: config {config_path} {what}; mmslab tools need '
+                         f"default_scope = 'mmdet' (detection) or 'mmseg' (segmentation).")
+    return scope
+
+
+def setup_cpu_distributed(cfg: Config, launcher: str) -> bool:
+    """Prepare ``launcher='pytorch'`` runs on a machine without CUDA.
+
+    mmengine's own initialisation calls ``torch.cuda.set_device`` and its default DDP wrapper
+    passes ``device_ids=[LOCAL_RANK]``; both fail without CUDA. Initialise a gloo process group
+    here (the Runner skips its own initialisation when a group exists) and wrap with
+    ``device_ids=None`` unless the config sets its own wrapper. Nothing changes when CUDA exists.
+    Returns whether a process group was created here.
+    """
+    if launcher != 'pytorch' or torch.cuda.is_available():
+        return False
+    import torch.distributed as dist
+    cfg.merge_from_dict({'env_cfg.dist_cfg.backend': 'gloo'})
+    if cfg.get('model_wrapper_cfg', None) is None:
+        cfg.model_wrapper_cfg = dict(type='MMDistributedDataParallel', device_ids=None)
+    if not dist.is_initialized():
+        kwargs = {}
+        timeout = cfg.env_cfg.dist_cfg.get('timeout', None)
+        if timeout is not None:
+            kwargs['timeout'] = datetime.timedelta(seconds=timeout)
+        dist.init_process_group(backend='gloo', init_method='env://', **kwargs)
+        return True
+    return False
+
+
+def default_work_dir(cfg: Config, work_dir, config_path: str) -> None:
+    if work_dir is not None:
+        cfg.work_dir = work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(config_path))[0])
+
+
+def enable_amp(cfg: Config) -> None:
+    from mmengine.device import get_device
+    if get_device() == 'cpu':
+        raise SystemExit('error: --amp needs a GPU (mmengine\'s AmpOptimWrapper does not run '
+                         'on CPU); drop --amp on this machine.')
+    optim_wrapper = cfg.optim_wrapper.get('type', 'OptimWrapper')
+    if optim_wrapper == 'AmpOptimWrapper':
+        print_log('AMP training is already enabled in the config.', logger='current',
+                  level=logging.WARNING)
+        return
+    if optim_wrapper != 'OptimWrapper':
+        raise SystemExit(f'error: --amp only works with optim_wrapper.type=OptimWrapper, the '
+                         f'config has {optim_wrapper}.')
+    cfg.optim_wrapper.type = 'AmpOptimWrapper'
+    cfg.optim_wrapper.loss_scale = 'dynamic'
+
+
+def enable_auto_scale_lr(cfg: Config) -> None:
+    auto_scale_lr = cfg.get('auto_scale_lr', None)
+    if not auto_scale_lr or 'base_batch_size' not in auto_scale_lr:
+        raise SystemExit('error: --auto-scale-lr needs auto_scale_lr = dict(base_batch_size=...) '
+                         'in the config.')
+    cfg.auto_scale_lr.enable = True
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = Config.fromfile(args.config)
+    cfg.launcher = args.launcher
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+    scope = resolve_scope(cfg, args.config)
+    init_default_scope(scope)
+    default_work_dir(cfg, args.work_dir, args.config)
+
+    if args.amp:
+        enable_amp(cfg)
+    if args.auto_scale_lr:
+        enable_auto_scale_lr(cfg)
+
+    if args.resume == 'auto':
+        cfg.resume = True
+        cfg.load_from = None
+    elif args.resume is not None:
+        cfg.resume = True
+        cfg.load_from = args.resume
+
+    own_group = setup_cpu_distributed(cfg, args.launcher)
+
+    if 'runner_type' not in cfg:
+        runner = Runner.from_cfg(cfg)
+    else:
+        runner = RUNNERS.build(cfg)
+    runner.train()
+    if own_group:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == '__main__':
+    main()
