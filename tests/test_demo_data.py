@@ -1,7 +1,6 @@
 """Tests of the synthetic demo datasets (mmslab.datasets.demo_data)."""
 import colorsys
 import json
-import os.path as osp
 
 import numpy as np
 import pytest
@@ -10,6 +9,12 @@ from PIL import Image
 
 from mmslab.datasets import (ADE_DEMO_CLASSES, COCO_DEMO_CLASSES, ade_demo_complete,
                              coco_demo_complete, make_ade_demo, make_coco_demo)
+
+pytestmark = [
+    # pycocotools + numpy 2 and mmseg's note on LoadAnnotations(reduce_zero_label=...) are noise.
+    pytest.mark.filterwarnings('ignore:.*copy keyword:DeprecationWarning'),
+    pytest.mark.filterwarnings('ignore:`reduce_zero_label` will be deprecated:UserWarning'),
+]
 
 SIZE = 112
 N_TRAIN, N_VAL = 6, 3

@@ -274,7 +274,7 @@ def test_reset_iter_restarts_warmup():
 
 
 def test_training_without_set_iter_raises():
-    with pytest.raises(RuntimeError, match='set_iter'):
+    with pytest.raises(RuntimeError, match='ProgressiveNormHook'):
         UN(C)(torch.randn(3, C))
 
 

@@ -1,8 +1,8 @@
 """Generate the synthetic demo datasets used by the mmslab demo configs.
 
-    python tools/make_demo_data.py                      # data/coco and data/ade/ADEChallengeData2016
+    python tools/make_demo_data.py                  # data/coco, data/ade/ADEChallengeData2016
     python tools/make_demo_data.py --kind coco --num-train 100 --img-size 192
-    python tools/make_demo_data.py --force              # regenerate even if present
+    python tools/make_demo_data.py --force          # regenerate even if present
 
 COCO goes to ``<out>/coco`` (``annotations/instances_{train,val}2017.json``,
 ``{train,val}2017/``), ADE20K to ``<out>/ade/ADEChallengeData2016``, matching the standard data

@@ -26,7 +26,7 @@ import colorsys
 import json
 import os
 import os.path as osp
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import cv2
 import numpy as np
@@ -84,6 +84,7 @@ _SHAPES = ('circle', 'square', 'triangle', 'star', 'hexagon', 'cross')
 _MIN_SIZE, _MAX_SIZE = 0.08, 0.45
 _JPEG_QUALITY = 92
 _MARKER = 'demo_info.json'
+_TRACE_SCALE = 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,25 +217,29 @@ def _visible_annotation(mask: np.ndarray, min_fragment: int):
     num, _, stats, _ = cv2.connectedComponentsWithStats(m8, connectivity=8)
     if num < 2 or int(stats[1:, cv2.CC_STAT_AREA].min()) < min_fragment:
         return None
-    contours, hierarchy = cv2.findContours(m8, cv2.RETR_CCOMP, cv2.CHAIN_APPROX_NONE)
+    _, hierarchy = cv2.findContours(m8, cv2.RETR_CCOMP, cv2.CHAIN_APPROX_SIMPLE)
     if hierarchy is None or (hierarchy[0][:, 3] != -1).any():
         return None  # a hole
+    # Trace the outline on a 4x nearest-upsampled mask: the centres of its boundary cells lie
+    # 1/8 px inside the original pixel edges, so the polygons rasterise (pycocotools) back to
+    # exactly the visible pixels instead of losing half a pixel all around.
+    up = cv2.resize(m8, None, fx=_TRACE_SCALE, fy=_TRACE_SCALE, interpolation=cv2.INTER_NEAREST)
+    contours, _ = cv2.findContours(up, cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_NONE)
     polygons: List[List[float]] = []
     for contour in contours:
-        approx = cv2.approxPolyDP(contour, 0.6, True).reshape(-1, 2).astype(np.float64)
+        approx = cv2.approxPolyDP(contour, 0.3 * _TRACE_SCALE, True).reshape(-1, 2)
+        approx = (approx.astype(np.float64) + 0.5) / _TRACE_SCALE
         if len(approx) < 3:
             return None
         x, y = approx[:, 0], approx[:, 1]
         if 0.5 * abs(np.dot(x, np.roll(y, 1)) - np.dot(y, np.roll(x, 1))) < 1.0:
             return None
-        # Contour points are pixel indices; +0.5 puts them on pixel centres, which pycocotools
-        # rasterises back to (nearly) the same pixels.
-        polygons.append([round(float(v) + 0.5, 2) for v in approx.reshape(-1)])
+        polygons.append([round(float(v), 3) for v in approx.reshape(-1)])
     xs = np.concatenate([np.asarray(p[0::2]) for p in polygons])
     ys = np.concatenate([np.asarray(p[1::2]) for p in polygons])
     x0, y0 = float(xs.min()), float(ys.min())
-    bbox = [round(x0, 2), round(y0, 2), round(float(xs.max()) - x0, 2),
-            round(float(ys.max()) - y0, 2)]
+    bbox = [round(x0, 3), round(y0, 3), round(float(xs.max()) - x0, 3),
+            round(float(ys.max()) - y0, 3)]
     if bbox[2] < 1 or bbox[3] < 1:
         return None
     return polygons, bbox, area

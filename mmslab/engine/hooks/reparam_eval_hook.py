@@ -47,13 +47,20 @@ def max_relative_difference(a, b) -> float:
 
 def first_divergent_module(unfused: nn.Module, fused: nn.Module, data: dict, tol: float):
     """Run both models with forward hooks; return ``(name, type, diff)`` of the first module
-    (in execution order) present in both whose output differs by more than ``tol``."""
+    (in execution order, innermost first) whose output differs by more than ``tol``.
+
+    Only modules whose output fusion preserves are compared: same name and type in both
+    models, and not a layer that absorbed the affine after it (``absorbed_next_affine``).
+    """
     records = {'u': {}, 'f': {}}
     order = []
     names_f = dict(fused.named_modules())
     handles = []
     for name, m in unfused.named_modules():
         if not name or name not in names_f:
+            continue
+        other = names_f[name]
+        if type(other) is not type(m) or getattr(other, 'absorbed_next_affine', False):
             continue
 
         def hook_u(mod, inp, out, name=name):
@@ -68,8 +75,8 @@ def first_divergent_module(unfused: nn.Module, fused: nn.Module, data: dict, tol
         handles.append(names_f[name].register_forward_hook(hook_f))
     try:
         with torch.no_grad():
-            unfused._forward(**data)
-            fused._forward(**data)
+            unfused(**data, mode='tensor')
+            fused(**data, mode='tensor')
     finally:
         for h in handles:
             h.remove()
@@ -160,13 +167,13 @@ class ReparamEvalHook(Hook):
         self._active = dict(mode=mode, inner=inner, fused=fused, fused_ms=[], unfused_ms=[],
                             batches=0, max_diff=None)
         self._wrap_step(fused, mode)
-        runner._model = fused  # the loop calls runner.model.val_step/test_step on the copy
+        runner.model = fused  # the loop calls runner.model.val_step/test_step on the copy
 
     def _exit(self, runner) -> None:
         if self._saved_model is None:
             return
         original, was_training = self._saved_model
-        runner._model = original
+        runner.model = original
         self._inner(original).train(was_training)
         active = self._active
         fused = active['fused']
@@ -214,8 +221,8 @@ class ReparamEvalHook(Hook):
     def _check(self, inner: nn.Module, fused: nn.Module, data_batch) -> None:
         with torch.no_grad():
             data = inner.data_preprocessor(data_batch, False)
-            ref = inner._forward(**data)
-            out = fused._forward(**data)
+            ref = inner(**data, mode='tensor')
+            out = fused(**data, mode='tensor')
         diff = max_relative_difference(ref, out)
         self._active['max_diff'] = diff
         if diff > self.tolerance:

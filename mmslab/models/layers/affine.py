@@ -158,6 +158,8 @@ def fold_affine_into_prev(layer: nn.Module, scale: Tensor, shift: Tensor) -> nn.
     if layer.bias is not None:
         bias = bias + s * layer.bias.double()
     new.bias.copy_(bias)
+    # Its output now includes the next affine: equivalence checks must not compare it.
+    new.absorbed_next_affine = True
     return new
 
 

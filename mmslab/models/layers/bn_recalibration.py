@@ -134,6 +134,9 @@ def recalibrate_bn(model: nn.Module, data_iter_or_loader: Iterable, num_iters: i
                 done += 1
                 if bar is not None:
                     bar.update()
+        if bar is not None:
+            bar.file.write('\n')  # ProgressBar leaves the cursor on its line
+            bar.file.flush()
     finally:
         for m, momentum in momenta:
             m.momentum = momentum

@@ -1,0 +1,191 @@
+"""ReparamEvalHook inside a real mmengine Runner: fused evaluation, latency, safe checkpoints."""
+import json
+import os.path as osp
+
+import pytest
+import torch
+from mmengine.config import Config
+
+import mmslab
+from mmslab.datasets.demo_data import make_ade_demo, make_coco_demo
+from mmslab.engine.hooks import ReparamEvalHook
+
+BACKBONE = dict(type='PRepBNSwin', embed_dims=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4),
+                window_size=4, drop_path_rate=0.0, norm_cfg=dict(type='PRepBN', step=3))
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp('hookdata')
+    make_ade_demo(str(root / 'ade'), num_train=4, num_val=3, img_size=64, seed=1, progress=False)
+    make_coco_demo(str(root / 'coco'), num_train=4, num_val=3, img_size=64, seed=1,
+                   progress=False)
+    return root
+
+
+def seg_cfg(data_dir, work_dir, hook=None):
+    data_root = str(data_dir / 'ade' / 'ADEChallengeData2016')
+    train_pipeline = [
+        dict(type='LoadImageFromFile'), dict(type='LoadAnnotations', reduce_zero_label=True),
+        dict(type='Resize', scale=(64, 64), keep_ratio=False), dict(type='PackSegInputs')]
+    test_pipeline = train_pipeline
+
+    def loader(split, pipeline, shuffle):
+        return dict(batch_size=2, num_workers=0, sampler=dict(type='DefaultSampler',
+                                                              shuffle=shuffle),
+                    dataset=dict(type='ADE20KDataset', data_root=data_root,
+                                 data_prefix=dict(img_path=f'images/{split}',
+                                                  seg_map_path=f'annotations/{split}'),
+                                 pipeline=pipeline))
+
+    return dict(
+        default_scope='mmseg', work_dir=str(work_dir), randomness=dict(seed=0),
+        model=dict(
+            type='EncoderDecoder',
+            data_preprocessor=dict(type='SegDataPreProcessor', mean=[123.675, 116.28, 103.53],
+                                   std=[58.395, 57.12, 57.375], bgr_to_rgb=True, pad_val=0,
+                                   seg_pad_val=255, size=(64, 64)),
+            backbone=BACKBONE,
+            decode_head=dict(type='FCNHead', in_channels=128, in_index=3, channels=16,
+                             num_convs=1, num_classes=150, norm_cfg=dict(type='BN'),
+                             align_corners=False,
+                             loss_decode=dict(type='CrossEntropyLoss', loss_weight=1.0)),
+            test_cfg=dict(mode='whole')),
+        train_dataloader=loader('training', train_pipeline, True),
+        val_dataloader=loader('validation', test_pipeline, False),
+        val_evaluator=dict(type='IoUMetric', iou_metrics=['mIoU']),
+        train_cfg=dict(type='IterBasedTrainLoop', max_iters=2, val_interval=2),
+        val_cfg=dict(type='ValLoop'),
+        optim_wrapper=dict(optimizer=dict(type='AdamW', lr=1e-3)),
+        default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=2, by_epoch=False,
+                                           save_best='aAcc', rule='greater'),
+                           logger=dict(type='LoggerHook', interval=1)),
+        custom_hooks=[dict(type='ProgressiveNormHook')] + ([hook] if hook else []),
+        log_level='WARNING')
+
+
+def test_hook_fuses_a_copy_and_saves_unfused_best_checkpoint(data_dir, tmp_path):
+    from mmengine.runner import Runner
+    from mmslab.engine.checkpoint import load_checkpoint_file
+    cfg = seg_cfg(data_dir, tmp_path / 'run',
+                  dict(type='ReparamEvalHook', compare_unfused=True, warmup=0))
+    runner = Runner.from_cfg(Config(cfg))
+    model_before = runner.model
+    runner.train()
+    assert runner.model is model_before  # the training model is back in place
+    norms = [m for m in runner.model.modules() if type(m).__name__ == 'PRepBN']
+    assert norms and not any(m.deploy for m in norms)
+    hook = next(h for h in runner.hooks if isinstance(h, ReparamEvalHook))
+    assert hook.last_result['max_relative_difference'] < 1e-3
+    with open(osp.join(runner.work_dir, 'latency.json')) as f:
+        lat = json.load(f)
+    for key in ('count', 'mean_ms', 'median_ms', 'p90_ms', 'images_per_s'):
+        assert lat['fused'][key] > 0 and lat['unfused'][key] > 0
+    assert lat['speedup_median'] > 0 and lat['mode'] == 'val'
+    best = [p for p in (tmp_path / 'run').iterdir() if p.name.startswith('best_')]
+    assert best, list((tmp_path / 'run').iterdir())
+    state = load_checkpoint_file(str(best[0]))['state_dict']
+    assert any(k.endswith('norm1.norm2.bn.running_mean') for k in state)
+    from mmseg.registry import MODELS
+    fresh = MODELS.build(cfg['model'])
+    fresh.load_state_dict(state, strict=True)  # an unfused checkpoint
+
+
+def test_fused_and_unfused_metrics_are_equal(data_dir, tmp_path):
+    from mmengine.runner import Runner
+    results = {}
+    for reparam in (True, False):
+        cfg = seg_cfg(data_dir, tmp_path / f'r{reparam}',
+                      dict(type='ReparamEvalHook', reparam=reparam, warmup=0))
+        cfg['train_cfg'] = None
+        cfg['optim_wrapper'] = None
+        cfg['train_dataloader'] = None
+        cfg['default_hooks'] = dict(logger=dict(type='LoggerHook', interval=1))
+        runner = Runner.from_cfg(Config(cfg))
+        with torch.no_grad():  # favour the demo's background classes so pixels score
+            runner.model.decode_head.conv_seg.bias[[0, 2, 3, 9]] += 3.0
+        results[reparam] = runner.val()
+    assert results[True] == pytest.approx(results[False])
+    assert results[True]['aAcc'] > 0
+
+
+def test_equivalence_check_names_the_divergent_module(data_dir, tmp_path, monkeypatch):
+    from mmengine.runner import Runner
+    import mmslab.models.reparam as reparam_mod
+    original = reparam_mod.reparameterize
+
+    def broken(model):
+        model = original(model)
+        with torch.no_grad():  # corrupt one fused linear
+            model.backbone.stages[1].blocks[0].attn.w_msa.proj.weight.mul_(1.5)
+        return model
+
+    monkeypatch.setattr(reparam_mod, 'reparameterize', broken)
+    cfg = seg_cfg(data_dir, tmp_path / 'bad', dict(type='ReparamEvalHook'))
+    cfg.update(train_cfg=None, optim_wrapper=None, train_dataloader=None,
+               default_hooks=dict(logger=dict(type='LoggerHook', interval=1)))
+    runner = Runner.from_cfg(Config(cfg))
+    with pytest.raises(RuntimeError, match='differs') as err:
+        runner.val()
+    assert 'Linear' in str(err.value) and 'stages.1.blocks.0.attn' in str(err.value)
+
+
+def test_detector_test_loop_reports_coco_metrics_and_latency(data_dir, tmp_path):
+    from mmengine.runner import Runner
+    data_root = str(data_dir / 'coco') + '/'
+    pipeline = [dict(type='LoadImageFromFile'),
+                dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
+                dict(type='Resize', scale=(64, 64), keep_ratio=True),
+                dict(type='PackDetInputs', meta_keys=('img_id', 'img_path', 'ori_shape',
+                                                      'img_shape', 'scale_factor'))]
+    from mmslab.datasets.demo_data import COCO_DEMO_CLASSES
+    cfg = dict(
+        default_scope='mmdet', work_dir=str(tmp_path / 'det'),
+        model=dict(
+            type='RetinaNet',
+            data_preprocessor=dict(type='DetDataPreprocessor', mean=[123.675, 116.28, 103.53],
+                                   std=[58.395, 57.12, 57.375], bgr_to_rgb=True,
+                                   pad_size_divisor=32),
+            backbone=dict(BACKBONE, out_indices=(1, 2, 3)),
+            neck=dict(type='FPN', in_channels=[32, 64, 128], out_channels=16, start_level=0,
+                      add_extra_convs='on_output', num_outs=4),
+            bbox_head=dict(type='RetinaHead', num_classes=len(COCO_DEMO_CLASSES),
+                           in_channels=16, stacked_convs=1, feat_channels=16,
+                           anchor_generator=dict(type='AnchorGenerator', octave_base_scale=4,
+                                                 scales_per_octave=3, ratios=[0.5, 1.0, 2.0],
+                                                 strides=[8, 16, 32, 64]),
+                           bbox_coder=dict(type='DeltaXYWHBBoxCoder',
+                                           target_means=[.0, .0, .0, .0],
+                                           target_stds=[1.0, 1.0, 1.0, 1.0]),
+                           loss_cls=dict(type='FocalLoss', use_sigmoid=True, gamma=2.0,
+                                         alpha=0.25, loss_weight=1.0),
+                           loss_bbox=dict(type='L1Loss', loss_weight=1.0)),
+            test_cfg=dict(nms_pre=100, min_bbox_size=0, score_thr=0.0,
+                          nms=dict(type='nms', iou_threshold=0.5), max_per_img=20)),
+        test_dataloader=dict(batch_size=1, num_workers=0,
+                             sampler=dict(type='DefaultSampler', shuffle=False),
+                             dataset=dict(type='CocoDataset', data_root=data_root,
+                                          metainfo=dict(classes=COCO_DEMO_CLASSES),
+                                          ann_file='annotations/instances_val2017.json',
+                                          data_prefix=dict(img='val2017/'), test_mode=True,
+                                          pipeline=pipeline)),
+        test_evaluator=dict(type='CocoMetric',
+                            ann_file=data_root + 'annotations/instances_val2017.json',
+                            metric='bbox'),
+        test_cfg=dict(type='TestLoop'),
+        custom_hooks=[dict(type='ReparamEvalHook', warmup=1, compare_unfused=True)],
+        default_hooks=dict(logger=dict(type='LoggerHook', interval=1)), log_level='WARNING')
+    runner = Runner.from_cfg(Config(cfg))
+    metrics = runner.test()
+    assert 'coco/bbox_mAP' in metrics
+    with open(tmp_path / 'det' / 'latency.json') as f:
+        lat = json.load(f)
+    assert lat['mode'] == 'test' and lat['fused']['count'] == 2  # 3 images, 1 warm-up
+    assert lat['unfused']['count'] == 2
+
+
+def test_hook_validates_options():
+    with pytest.raises(ValueError, match='warmup'):
+        ReparamEvalHook(warmup=-1)
+    with pytest.raises(TypeError):
+        ReparamEvalHook(warmpu=3)
