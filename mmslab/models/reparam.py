@@ -1,8 +1,10 @@
 """Model-level structural re-parameterization."""
+from typing import Dict, List, Tuple
+
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .layers.affine import FoldableNorm
+from .layers.affine import FoldableNorm, fold_affine_into_next_conv
 
 
 def deploy_children(module: nn.Module) -> None:
@@ -30,6 +32,7 @@ def reparameterize(model: nn.Module) -> nn.Module:
     if hasattr(model, 'switch_to_deploy'):
         model.switch_to_deploy()
     deploy_children(model)
+    fold_output_affines_into_neck(model)
     for name, m in model.named_modules():
         if isinstance(m, FoldableNorm) and not m.deploy:
             raise RuntimeError(f'{name} ({type(m).__name__}) was not folded')
@@ -44,3 +47,70 @@ def statistic_modules(model: nn.Module):
                 isinstance(m, FoldableNorm) and not m.deploy):
             found.append((name, type(m).__name__))
     return found
+
+
+def _output_affine_slots(backbone: nn.Module) -> Dict[int, Tuple[nn.Module, str]]:
+    """Backbone output position -> (parent, attribute) of a deployed output affine."""
+    slots = {}
+    if hasattr(backbone, 'out_indices') and hasattr(backbone, 'stages'):  # Swin
+        for pos, i in enumerate(backbone.out_indices):
+            norm = getattr(backbone, f'norm{i}', None)
+            if isinstance(norm, FoldableNorm) and norm.deploy:
+                slots[pos] = (backbone, f'norm{i}')
+    return slots
+
+
+def _lateral_convs(model: nn.Module) -> Dict[int, nn.Module]:
+    """Backbone output position -> the ConvModule that is its *only* consumer at inference."""
+    neck = getattr(model, 'neck', None)
+    if neck is not None and type(neck).__name__ == 'FPN':
+        found = {}
+        for i in range(neck.start_level, neck.backbone_end_level):
+            if neck.add_extra_convs == 'on_input' and i == neck.backbone_end_level - 1:
+                continue  # also feeds a padded 3x3 extra conv: not foldable exactly
+            found[i] = neck.lateral_convs[i - neck.start_level]
+        return found
+    head = getattr(model, 'decode_head', None)
+    if neck is None and head is not None and type(head).__name__ == 'UPerHead' and \
+            head.input_transform in (None, 'multiple_select'):
+        aux_inputs = set()
+        aux = getattr(model, 'auxiliary_head', None)
+        for h in (aux if isinstance(aux, nn.ModuleList) else [aux] if aux is not None else []):
+            idx = h.in_index
+            aux_inputs.update(idx if isinstance(idx, (list, tuple)) else [idx])
+        found = {}
+        for lateral, pos in zip(head.lateral_convs, head.in_index[:-1]):
+            if pos not in aux_inputs and list(head.in_index).count(pos) == 1:
+                found[pos] = lateral
+        return found
+    return {}
+
+
+def fold_output_affines_into_neck(model: nn.Module) -> List[int]:
+    """Fold deployed backbone output affines into the 1x1 lateral convs that consume them.
+
+    Handles mmdet's ``FPN`` and mmseg's ``UPerHead`` laterals; an output that also feeds
+    anything else (an extra conv on the input, an auxiliary head, the PPM) keeps its affine.
+    Returns the folded output positions.
+    """
+    backbone = getattr(model, 'backbone', None)
+    if backbone is None:
+        return []
+    slots = _output_affine_slots(backbone)
+    folded = []
+    for pos, conv_module in _lateral_convs(model).items():
+        if pos not in slots or not hasattr(conv_module, 'conv'):
+            continue
+        conv = conv_module.conv
+        padding = conv.padding if isinstance(conv.padding, tuple) else (conv.padding, )
+        if conv.groups != 1 or any(padding):
+            continue
+        parent, attr = slots[pos]
+        scale, shift = getattr(parent, attr).fused_affine()
+        new = fold_affine_into_next_conv(conv, scale, shift)
+        if conv.bias is None and getattr(conv_module, 'with_norm', False):
+            pass  # the BN after it absorbs nothing; the conv simply gains a bias
+        conv_module.conv = new
+        setattr(parent, attr, nn.Identity())
+        folded.append(pos)
+    return folded
