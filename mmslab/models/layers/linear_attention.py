@@ -58,7 +58,8 @@ class SLA(WindowKernelBase):
         trunc_normal_(self.positional_encoding, std=0.02)
 
     def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
-               shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None) -> Tensor:
+               shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
+               cache_key=None) -> Tensor:
         bw, n, c3 = qkv.shape
         c = c3 // 3
         wh, ww = window_hw
@@ -111,7 +112,8 @@ class BiNormAttention(WindowKernelBase):
         self.deploy = deploy
 
     def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
-               shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None) -> Tensor:
+               shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
+               cache_key=None) -> Tensor:
         bw, n, c3 = qkv.shape
         q, k, v = qkv.split(c3 // 3, dim=-1)
         if valid is not None:

@@ -113,7 +113,8 @@ class ShiftWindowAttention(nn.Module):
         shift_mask, valid = self._masks(hp, wp, h, w, wh, ww, x.device)
         windows = window_partition(qkv, wh, ww)
         num_windows = (hp // wh) * (wp // ww)
-        out = kernel.attend(windows, num_windows, (wh, ww), shift_mask=shift_mask, valid=valid)
+        out = kernel.attend(windows, num_windows, (wh, ww), shift_mask=shift_mask, valid=valid,
+                            cache_key=(hp, wp, wh, ww, s, str(x.device)))
         out = window_reverse(out, b, hp, wp, wh, ww)
         if s:
             out = torch.roll(out, shifts=(s, s), dims=(1, 2))

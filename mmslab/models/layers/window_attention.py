@@ -60,8 +60,12 @@ class WindowKernelBase(nn.Module):
         return getattr(self, 'qkv_pad', self.qkv.bias)
 
     def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
-               shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None) -> Tensor:
-        """``[B*nW, N, 3C]`` -> ``[B*nW, N, C]`` (before ``proj``)."""
+               shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
+               cache_key=None) -> Tensor:
+        """``[B*nW, N, 3C]`` -> ``[B*nW, N, C]`` (before ``proj``).
+
+        ``cache_key`` identifies the padded layout (constant masks may be cached under it).
+        """
         raise NotImplementedError
 
 
@@ -113,33 +117,44 @@ class WindowMSA(WindowKernelBase):
         self._mask_cache = {}
         self.deploy = True
 
-    def _attn_mask(self, shift_mask: Optional[Tensor]) -> Tensor:
-        bias = self.position_bias()
+    def _attn_mask(self, shift_mask: Optional[Tensor], bw: int, num_windows: int,
+                   dtype: torch.dtype, cache_key=None) -> Tensor:
+        """``[B*nW, heads, N, N]`` additive mask: position bias (+ shift mask).
+
+        A materialized contiguous 4-D mask keeps PyTorch's fused CPU attention kernel (a 3-D
+        or broadcast 5-D mask falls back to the slow math path). In deploy mode the mask is
+        a constant and cached per batch and padded size.
+        """
+        key = None
+        if self.deploy and (cache_key is not None or shift_mask is None):
+            key = (bw, num_windows, cache_key, dtype)
+            mask = self._mask_cache.get(key)
+            if mask is not None:
+                return mask
+        bias = self.position_bias().to(dtype)
+        n = bias.shape[-1]
         if shift_mask is None:
-            return bias
-        if not self.deploy:
-            return bias[None] + shift_mask[:, None]
-        key = (shift_mask.data_ptr(), shift_mask.shape, bias.dtype)
-        mask = self._mask_cache.get(key)
-        if mask is None:
+            mask = bias.unsqueeze(0).expand(bw, -1, -1, -1)
+        else:
+            mask = (bias.unsqueeze(0) + shift_mask.to(dtype).unsqueeze(1))  # [nW, h, N, N]
+            mask = mask.unsqueeze(0).expand(bw // num_windows, -1, -1, -1, -1).reshape(
+                bw, self.num_heads, n, n)
+        if key is not None:
             if len(self._mask_cache) > 8:
                 self._mask_cache.clear()
-            mask = (bias[None] + shift_mask[:, None]).contiguous()
+            mask = mask.contiguous()
             self._mask_cache[key] = mask
         return mask
 
     def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
-               shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None) -> Tensor:
+               shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
+               cache_key=None) -> Tensor:
         bw, n, _ = qkv.shape
         if window_hw != self.window_size:
             raise ValueError(f'WindowMSA with window {self.window_size} got windows {window_hw}')
         q, k, v = qkv.view(bw, n, 3, self.num_heads, self.head_dims).permute(2, 0, 3, 1, 4)
-        mask = self._attn_mask(shift_mask).to(q.dtype)
-        if shift_mask is not None:
-            # [B, nW, heads, N, d] so the [nW, heads, N, N] mask broadcasts over the batch.
-            q, k, v = (t.reshape(bw // num_windows, num_windows, *t.shape[1:]) for t in (q, k, v))
+        mask = self._attn_mask(shift_mask, bw, num_windows, q.dtype, cache_key)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.0,
             scale=self.scale)
-        return out.reshape(bw, self.num_heads, n, self.head_dims).transpose(1, 2).reshape(
-            bw, n, self.embed_dims)
+        return out.transpose(1, 2).reshape(bw, n, self.embed_dims)

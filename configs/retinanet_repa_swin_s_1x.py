@@ -1,0 +1,10 @@
+# RetinaNet + FPN, COCO 1x, backbone: _base_/backbones/repa_swin_s.py
+_base_ = [
+    './_base_/models/retinanet_fpn.py', './_base_/datasets/coco_detection.py',
+    './_base_/schedules/schedule_1x.py', './_base_/default_runtime_det.py',
+    './_base_/backbones/repa_swin_s.py'
+]
+model = dict(
+    backbone=_base_.backbone,
+    neck=dict(in_channels=_base_.backbone_widths[1:]))  # stages 2-4
+custom_hooks = [*_base_.custom_hooks, *_base_.backbone_hooks]

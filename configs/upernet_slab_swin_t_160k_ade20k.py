@@ -1,0 +1,12 @@
+# UperNet, ADE20K 512x512, 160k iterations, backbone: _base_/backbones/slab_swin_t.py
+_base_ = [
+    './_base_/models/upernet.py', './_base_/datasets/ade20k.py',
+    './_base_/schedules/schedule_160k.py', './_base_/default_runtime_seg.py',
+    './_base_/backbones/slab_swin_t.py'
+]
+# PRepBN decays LN -> RepBN over 0.8 x this schedule (prepbn_step, see the schedule file).
+model = dict(
+    backbone=dict(**_base_.backbone, norm_cfg=dict(type='PRepBN', step=_base_.prepbn_step)),
+    decode_head=dict(in_channels=_base_.backbone_widths),
+    auxiliary_head=dict(in_channels=_base_.backbone_widths[2]))  # stage 3
+custom_hooks = [*_base_.custom_hooks, *_base_.backbone_hooks]

@@ -1,0 +1,90 @@
+"""Interleaved latency measurement of fused, unfused and baseline models (batch 1)."""
+import copy
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+
+def parse_shape(text: str) -> Tuple[int, int]:
+    """``'800x1344'`` -> ``(800, 1344)`` (height x width)."""
+    try:
+        h, w = (int(v) for v in text.lower().split('x'))
+    except ValueError as err:
+        raise ValueError(f'shape {text!r} is not HEIGHTxWIDTH, e.g. 800x1344') from err
+    if h <= 0 or w <= 0:
+        raise ValueError(f'shape {text!r} must be positive')
+    return h, w
+
+
+def fake_batch(model: nn.Module, shape: Tuple[int, int]):
+    """A batch-1 ``(inputs, data_samples)`` for ``model(..., mode='predict')``.
+
+    Inputs are already normalized tensors (what the data preprocessor produces); sizes are
+    padded to a multiple of 32 like mmdet/mmseg test pipelines do.
+    """
+    h, w = shape
+    ph, pw = -(-h // 32) * 32, -(-w // 32) * 32
+    inputs = torch.randn(1, 3, ph, pw)
+    meta = dict(img_shape=(h, w), ori_shape=(h, w), pad_shape=(ph, pw),
+                batch_input_shape=(ph, pw), scale_factor=(1.0, 1.0), img_id=0,
+                flip=False, flip_direction=None)
+    scope_mod = type(model).__module__
+    if scope_mod.startswith('mmseg'):
+        from mmseg.structures import SegDataSample
+        sample = SegDataSample(metainfo=meta)
+    else:
+        from mmdet.structures import DetDataSample
+        sample = DetDataSample(metainfo=meta)
+    return inputs, [sample]
+
+
+def make_runners(model: nn.Module, shape: Tuple[int, int], part: str) -> Callable[[], object]:
+    """A zero-argument callable running ``part`` ('backbone' or 'model') once."""
+    inputs, samples = fake_batch(model, shape)
+    if part == 'backbone':
+        backbone = model.backbone if hasattr(model, 'backbone') else model
+        return lambda: backbone(inputs)
+    if part == 'model':
+        return lambda: model(inputs, samples, mode='predict')
+    raise ValueError(f"part must be 'backbone' or 'model', got {part!r}")
+
+
+def measure_interleaved(fns: Dict[str, Callable[[], object]], repeat: int, warmup: int,
+                        progress: Optional[Callable[[], None]] = None) -> Dict[str, List[float]]:
+    """Run each callable ``warmup`` times, then ``repeat`` rounds in rotating order.
+
+    Interleaving spreads the machine's noise (other processes, frequency changes) over all
+    variants instead of biasing whichever ran first. Returns milliseconds per call.
+    """
+    names = list(fns)
+    times = {n: [] for n in names}
+    with torch.inference_mode():
+        for _ in range(warmup):
+            for n in names:
+                fns[n]()
+        for r in range(repeat):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for n in order:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fns[n]()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                times[n].append((time.perf_counter() - t0) * 1000.0)
+                if progress is not None:
+                    progress()
+    return times
+
+
+def summarize(ms: Sequence[float]) -> dict:
+    return dict(median_ms=statistics.median(ms), mean_ms=statistics.fmean(ms), min_ms=min(ms),
+                max_ms=max(ms), repeats=len(ms))
+
+
+def fused_copy(model: nn.Module) -> nn.Module:
+    from mmslab.models.reparam import reparameterize
+    return reparameterize(copy.deepcopy(model).eval())

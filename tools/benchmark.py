@@ -1,0 +1,170 @@
+"""Latency of fused vs unfused models (and baselines), measured interleaved in one run.
+
+    python tools/benchmark.py CONFIG [--checkpoint CKPT] [--shapes 512x512 800x1344]
+        [--repeat 5] [--warmup 2] [--threads 2] [--baseline CONFIG ...] [--parts backbone model]
+        [--compile] --out DIR
+
+For every input shape it times, at batch 1, the backbone alone and the whole model
+(``mode='predict'``: forward + post-processing, no data loading) of: the fused model
+(``mmslab.reparameterize``), the unfused model, and each baseline config (as is). Calls of
+all variants are interleaved so machine noise hits them alike. Prints a table of medians
+and ratios, writes ``benchmark.json`` and ``benchmark.png`` (latency against input size).
+"""
+import argparse
+import json
+import os
+import os.path as osp
+import sys
+
+REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import torch  # noqa: E402
+from mmengine.config import Config, DictAction  # noqa: E402
+from mmengine.registry import init_default_scope  # noqa: E402
+from mmengine.utils import ProgressBar  # noqa: E402
+
+import mmslab  # noqa: E402,F401
+from mmslab.benchmark import (fused_copy, make_runners, measure_interleaved,  # noqa: E402
+                              parse_shape, summarize)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('config')
+    p.add_argument('--checkpoint', help='weights to load (default: random init)')
+    p.add_argument('--shapes', nargs='+', default=['512x512', '800x1344'],
+                   help='input sizes HEIGHTxWIDTH')
+    p.add_argument('--repeat', type=int, default=5, help='timed calls per variant and shape')
+    p.add_argument('--warmup', type=int, default=2, help='untimed calls per variant and shape')
+    p.add_argument('--threads', type=int, default=None, help='torch threads (default: as is)')
+    p.add_argument('--baseline', nargs='*', default=[], help='baseline configs, timed as is')
+    p.add_argument('--parts', nargs='+', default=['backbone', 'model'],
+                   choices=['backbone', 'model'])
+    p.add_argument('--compile', action='store_true',
+                   help='also time torch.compile of the fused backbone (reported separately)')
+    p.add_argument('--cfg-options', nargs='+', action=DictAction)
+    p.add_argument('--out', required=True, help='output directory')
+    args = p.parse_args(argv)
+    if args.repeat < 1 or args.warmup < 0:
+        p.error('--repeat must be >= 1 and --warmup >= 0')
+    return args
+
+
+def build_model(config: str, checkpoint=None, cfg_options=None):
+    cfg = Config.fromfile(config)
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    scope = cfg.get('default_scope')
+    if scope not in ('mmdet', 'mmseg'):
+        raise SystemExit(f"{config}: default_scope must be 'mmdet' or 'mmseg', got {scope!r}")
+    init_default_scope(scope)
+    if scope == 'mmdet':
+        from mmdet.registry import MODELS
+    else:
+        from mmseg.registry import MODELS
+    model_cfg = cfg.model
+    model_cfg.get('backbone', {}).pop('init_cfg', None)  # latency needs no pretrained file
+    model = MODELS.build(model_cfg)
+    if checkpoint:
+        from mmengine.runner import load_checkpoint
+        load_checkpoint(model, checkpoint, map_location='cpu', strict=True)
+    else:
+        model.init_weights()
+    return model.eval()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shapes = [parse_shape(s) for s in args.shapes]
+    os.makedirs(args.out, exist_ok=True)
+    name = osp.splitext(osp.basename(args.config))[0]
+    model = build_model(args.config, args.checkpoint, args.cfg_options)
+    variants = {f'{name} (unfused)': model, f'{name} (fused)': fused_copy(model)}
+    for base in args.baseline:
+        variants[osp.splitext(osp.basename(base))[0]] = build_model(base)
+    compiled = None
+    if args.compile:
+        compiled = torch.compile(variants[f'{name} (fused)'].backbone)
+
+    total = len(shapes) * len(args.parts) * args.repeat * (len(variants) + bool(compiled))
+    bar = ProgressBar(total)
+    results = []
+    for shape in shapes:
+        for part in args.parts:
+            fns = {k: make_runners(m, shape, part) for k, m in variants.items()}
+            if compiled is not None and part == 'backbone':
+                x = torch.randn(1, 3, -(-shape[0] // 32) * 32, -(-shape[1] // 32) * 32)
+                fns[f'{name} (fused, torch.compile)'] = lambda x=x: compiled(x)
+            times = measure_interleaved(fns, args.repeat, args.warmup, bar.update)
+            for k, ms in times.items():
+                results.append(dict(variant=k, part=part, shape=list(shape), **summarize(ms),
+                                    times_ms=ms))
+    print()
+    report = dict(config=args.config, checkpoint=args.checkpoint, threads=torch.get_num_threads(),
+                  repeat=args.repeat, warmup=args.warmup, torch=torch.__version__,
+                  results=results, ratios=ratios(results, name))
+    print_table(report, name)
+    with open(osp.join(args.out, 'benchmark.json'), 'w') as f:
+        json.dump(report, f, indent=2)
+    plot(report, osp.join(args.out, 'benchmark.png'))
+    print(f'wrote {osp.join(args.out, "benchmark.json")} and benchmark.png')
+    return report
+
+
+def ratios(results, name):
+    """Median latency of every other variant divided by the fused model's (>1: fused faster)."""
+    out = []
+    fused_key = f'{name} (fused)'
+    index = {(r['variant'], r['part'], tuple(r['shape'])): r['median_ms'] for r in results}
+    for (variant, part, shape), ms in index.items():
+        ref = index.get((fused_key, part, shape))
+        if variant != fused_key and ref:
+            out.append(dict(part=part, shape=list(shape), variant=variant,
+                            ratio_vs_fused=ms / ref))
+    return out
+
+
+def print_table(report, name):
+    rows = [('part', 'shape', 'variant', 'median ms', 'x fused')]
+    fused = {(r['part'], tuple(r['shape'])): r['median_ms'] for r in report['results']
+             if r['variant'] == f'{name} (fused)'}
+    for r in report['results']:
+        ref = fused.get((r['part'], tuple(r['shape'])))
+        rows.append((r['part'], 'x'.join(map(str, r['shape'])), r['variant'],
+                     f"{r['median_ms']:.1f}", f"{r['median_ms'] / ref:.2f}" if ref else '-'))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    for row in rows:
+        print('  '.join(c.ljust(w) for c, w in zip(row, widths)))
+    print(f"({report['threads']} threads, median of {report['repeat']} interleaved runs; "
+          "'x fused' = variant latency / fused latency)")
+
+
+def plot(report, path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    parts = sorted({r['part'] for r in report['results']})
+    fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4), squeeze=False)
+    for ax, part in zip(axes[0], parts):
+        for variant in dict.fromkeys(r['variant'] for r in report['results']):
+            rs = sorted((r for r in report['results'] if r['variant'] == variant and
+                         r['part'] == part), key=lambda r: r['shape'][0] * r['shape'][1])
+            if rs:
+                ax.plot([r['shape'][0] * r['shape'][1] / 1e6 for r in rs],
+                        [r['median_ms'] for r in rs], marker='o', label=variant)
+        ax.set_xlabel('input size (megapixels)')
+        ax.set_ylabel('median latency per image (ms)')
+        ax.set_title(f'{part} latency, batch 1, {report["threads"]} threads')
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == '__main__':
+    main()
