@@ -9,8 +9,6 @@ file of raw detections (mmdet) or a directory of predicted label maps (mmseg). T
 logged as usual and, on the main process, printed as one JSON line starting with
 ``mmslab-test-metrics:``. Multi-process testing: ``tools/dist_test.sh CONFIG CKPT NPROC [args]``.
 """
-# TODO(mmslab): --reparam/--no-reparam (structural re-parameterization before testing) and
-# --latency (time the model) are added to this command line by another worker.
 import argparse
 import copy
 import datetime
@@ -55,6 +53,11 @@ def parse_args(argv=None):
     parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
                         default='none', help='job launcher')
     parser.add_argument('--tta', action='store_true', help='test-time augmentation (flip)')
+    parser.add_argument('--reparam', action=argparse.BooleanOptionalAction, default=None,
+                        help='evaluate the fused (re-parameterized) model through '
+                        'ReparamEvalHook (default: as the config says; mmslab configs fuse)')
+    parser.add_argument('--latency', action='store_true',
+                        help='measure per-image latency (fused and unfused) into latency.json')
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
     args = parser.parse_args(argv)
     if 'LOCAL_RANK' not in os.environ:
@@ -163,6 +166,23 @@ def _jsonable(value):
     return str(value)
 
 
+def setup_reparam_hook(cfg: Config, reparam, latency: bool) -> None:
+    """Add or configure ``ReparamEvalHook`` for ``--reparam/--no-reparam`` and ``--latency``."""
+    if reparam is None and not latency:
+        return
+    hooks = list(cfg.get('custom_hooks', None) or [])
+    hook = next((h for h in hooks if h.get('type') == 'ReparamEvalHook'), None)
+    if hook is None:
+        hook = dict(type='ReparamEvalHook', measure_latency=False)
+        hooks.append(hook)
+    if reparam is not None:
+        hook['reparam'] = reparam
+    if latency:
+        hook['measure_latency'] = True
+        hook['compare_unfused'] = bool(hook.get('reparam', True))
+    cfg.custom_hooks = hooks
+
+
 def main(argv=None):
     args = parse_args(argv)
     cfg = Config.fromfile(args.config)
@@ -187,6 +207,7 @@ def main(argv=None):
     if args.out is not None and scope == 'mmseg':
         setup_seg_out(cfg, args.out)
 
+    setup_reparam_hook(cfg, args.reparam, args.latency)
     own_group = setup_cpu_distributed(cfg, args.launcher)
 
     if 'runner_type' not in cfg:

@@ -1,6 +1,7 @@
 """Model-level structural re-parameterization."""
 from typing import Dict, List, Tuple
 
+import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -103,14 +104,27 @@ def fold_output_affines_into_neck(model: nn.Module) -> List[int]:
             continue
         conv = conv_module.conv
         padding = conv.padding if isinstance(conv.padding, tuple) else (conv.padding, )
-        if conv.groups != 1 or any(padding):
+        norm = getattr(conv_module, 'norm', None) if getattr(conv_module, 'with_norm',
+                                                              False) else None
+        if conv.groups != 1 or any(padding) or (conv.bias is None and not isinstance(
+                norm, _BatchNorm)):
             continue
         parent, attr = slots[pos]
         scale, shift = getattr(parent, attr).fused_affine()
         new = fold_affine_into_next_conv(conv, scale, shift)
-        if conv.bias is None and getattr(conv_module, 'with_norm', False):
-            pass  # the BN after it absorbs nothing; the conv simply gains a bias
+        if conv.bias is None:
+            # Keep the structure (no new bias): W t + b is a constant the BatchNorm after the
+            # conv absorbs exactly in eval mode by shifting its running mean.
+            with torch.no_grad():
+                norm.running_mean.sub_(new.bias.to(norm.running_mean))
+            plain = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size,
+                              stride=conv.stride, bias=False).to(conv.weight)
+            plain.weight.data.copy_(new.weight)
+            new = plain
         conv_module.conv = new
         setattr(parent, attr, nn.Identity())
         folded.append(pos)
+    if folded and hasattr(backbone, 'folded_out_norms'):
+        backbone.folded_out_norms = tuple(sorted(set(backbone.folded_out_norms) | {
+            backbone.out_indices[p] for p in folded}))
     return folded

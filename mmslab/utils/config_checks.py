@@ -16,6 +16,7 @@ MODE_DATALOADERS = {
     'val': ('val_dataloader', ),
     'test': ('test_dataloader', ),
 }
+_REPO_ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 _PREFIX_KEYS = ('img', 'img_path', 'seg', 'seg_map_path', 'ann', 'sub_data_root')
 
 
@@ -123,7 +124,7 @@ def missing_data_paths(cfg, mode: str = 'train') -> List[Tuple[str, str, str]]:
     return missing
 
 
-def _demo_command(data_root: str) -> str:
+def _demo_command(data_root: str, script: str) -> str:
     """The make_demo_data command that fills ``data_root``, or '' if it is no demo layout."""
     root = osp.normpath(data_root)
     if osp.basename(root) == 'coco':
@@ -133,7 +134,7 @@ def _demo_command(data_root: str) -> str:
         kind, out = 'ade', osp.dirname(osp.dirname(root))
     else:
         return ''
-    cmd = 'python tools/make_demo_data.py'
+    cmd = f'python {script}'
     if osp.normpath(out or '.') != 'data':
         cmd += f' --out {out or "."}'
     return cmd + f' --kind {kind}'
@@ -161,28 +162,29 @@ def check_data_root(cfg, mode: str = 'train', config_path: Optional[str] = None)
     missing = missing_data_paths(cfg, mode)
     if not missing:
         return
-    what = f' by {config_path}' if config_path else ''
-    lines = [f'dataset not found: the data needed{what} is missing '
-             f'(paths are relative to the current directory {os.getcwd()}):']
+    cwd = os.getcwd()
+    what = f' for {config_path}' if config_path else ''
+    lines = [f'dataset not found{what} (relative paths are taken from the current directory '
+             f'{cwd}):']
     for loader, root, path in missing[:6]:
-        kind = 'data root' if path == root else 'file/folder'
-        lines.append(f'  - {loader}: {kind} {path!r} ({osp.abspath(path)}) does not exist')
+        kind = 'data root' if path == root else 'path'
+        lines.append(f'  - {loader}: {kind} {path!r} -> {osp.abspath(path)} does not exist')
     if len(missing) > 6:
         lines.append(f'  ... and {len(missing) - 6} more')
+    script = osp.join(_REPO_ROOT, 'tools', 'make_demo_data.py')
+    if osp.abspath(cwd) == _REPO_ROOT:
+        script = osp.join('tools', 'make_demo_data.py')
     commands = []
     for _, root, _ in missing:
-        cmd = _demo_command(root) if root else ''
+        cmd = _demo_command(root, script) if root else ''
         if cmd and cmd not in commands:
             commands.append(cmd)
     if commands:
-        lines.append('Create the synthetic demo data there by running, from the repository root:')
+        lines.append(f'To create the synthetic demo data there, run in {cwd}:')
         lines.extend(f'    {cmd}' for cmd in commands)
-        lines.append('(`python tools/make_demo_data.py` alone makes both data/coco and '
-                     'data/ade/ADEChallengeData2016.)')
     else:
-        lines.append('The synthetic demo data is made with `python tools/make_demo_data.py` '
-                     '(into data/coco and data/ade/ADEChallengeData2016).')
-    lines.append('For real data, put (or symlink) the dataset at that path, or point the config '
-                 'elsewhere, e.g. --cfg-options train_dataloader.dataset.data_root=PATH.')
+        lines.append(f'The synthetic demo data is made by `python {script}` (into data/coco and '
+                     'data/ade/ADEChallengeData2016 under the current directory).')
+    lines.append('For real data, put or symlink the dataset at that path, or override it with '
+                 '--cfg-options train_dataloader.dataset.data_root=PATH (and the val/test ones).')
     raise DataNotFoundError('\n'.join(lines))
-

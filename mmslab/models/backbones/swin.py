@@ -145,6 +145,8 @@ class ReparamSwinTransformer(BaseModule):
             UN) in eval mode, as the SLAB authors did when fine-tuning detectors with small
             per-GPU batches; their affine weights and ``alpha`` still train.
         deploy: build the fused structure (see :func:`mmslab.reparameterize`).
+        folded_out_norms: (deploy only) output indices whose norm was folded into the
+            detector's neck; written into deploy configs by ``tools/reparameterize.py``.
 
     Returns a tuple of NCHW maps for ``out_indices`` (strides 4, 8, 16, 32).
     """
@@ -166,7 +168,8 @@ class ReparamSwinTransformer(BaseModule):
                  out_norm_cfg: Optional[dict] = None, attn_types=('window', ) * 4,
                  ffn_type: str = 'mlp', idle_ratio: float = 0.75, bn_stats: str = 'train',
                  with_cp: bool = False, pretrained=None, convert_weights: bool = False,
-                 frozen_stages: int = -1, deploy: bool = False, init_cfg=None):
+                 frozen_stages: int = -1, deploy: bool = False, folded_out_norms=(),
+                 init_cfg=None):
         if arch not in self.arch_zoo:
             raise ValueError(f'unknown arch {arch!r}; valid: {tuple(self.arch_zoo)}')
         if pretrained is not None:
@@ -234,9 +237,14 @@ class ReparamSwinTransformer(BaseModule):
                                          self.norm_cfg, deploy=deploy))
             self.num_features.append(in_ch)
             in_ch = out_ch or in_ch
+        # Output norms that mmslab.reparameterize folded into the neck's lateral convs.
+        self.folded_out_norms = tuple(folded_out_norms)
+        if self.folded_out_norms and not deploy:
+            raise ValueError('folded_out_norms is only meaningful with deploy=True')
         for i in self.out_indices:
-            self.add_module(f'norm{i}', build_norm(self.out_norm_cfg, self.num_features[i],
-                                                   deploy=deploy, what='out_norm_cfg'))
+            norm = nn.Identity() if i in self.folded_out_norms else build_norm(
+                self.out_norm_cfg, self.num_features[i], deploy=deploy, what='out_norm_cfg')
+            self.add_module(f'norm{i}', norm)
 
     # -- training-mode policy -------------------------------------------------------------
     def train(self, mode: bool = True):

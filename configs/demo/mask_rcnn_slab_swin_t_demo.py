@@ -1,0 +1,119 @@
+# CPU demo: SLAB-Swin-T Mask R-CNN trained from scratch on the synthetic COCO set
+# (`python tools/make_demo_data.py` -> data/coco/, 256x256 images), then validated with the
+# fused model (box + mask AP on val2017) and timed against the unfused one.
+#   python tools/train.py configs/demo/mask_rcnn_slab_swin_t_demo.py
+# Cost on 2 CPU threads: a few seconds per iteration (RoIAlign dominates; hence
+# sampling_ratio=2 and fewer proposals/RoIs than COCO training).
+_base_ = '../mask_rcnn_slab_swin_t_1x.py'
+
+# The demo classes, in the order of mmslab.datasets.demo_data.COCO_DEMO_CLASSES (category id =
+# position + 1). Copied here because configs cannot import; tests/test_configs.py checks they
+# match.
+classes = ('circle', 'square', 'triangle', 'star', 'hexagon', 'cross')
+num_classes = len(classes)
+
+max_iters = 150
+img_scale = (256, 256)
+
+model = dict(
+    backbone=dict(
+        init_cfg=None,  # from scratch: no checkpoint
+        # From scratch the BN statistics must be learned, and 4 images x many tokens per
+        # batch estimate them well: update the running statistics.
+        bn_stats='train',
+        # LN -> RepBN over 0.8 x the run, pure RepBN for the last 30 iterations.
+        norm_cfg=dict(type='PRepBN', step=120),
+        # Windows that tile the 256-pixel inputs exactly (feature maps 64/32/16/8): no padded
+        # tokens. SLAB's 56/28/7/7 are meant for 800x1333 COCO images.
+        window_size=(32, 16, 8, 8)),
+    roi_head=dict(
+        bbox_roi_extractor=dict(roi_layer=dict(sampling_ratio=2)),
+        bbox_head=dict(num_classes=num_classes),
+        mask_roi_extractor=dict(roi_layer=dict(sampling_ratio=2)),
+        mask_head=dict(num_classes=num_classes)),
+    train_cfg=dict(
+        rpn_proposal=dict(nms_pre=1000, max_per_img=300),
+        rcnn=dict(sampler=dict(num=128))),
+    test_cfg=dict(rpn=dict(nms_pre=1000, max_per_img=300)))
+
+data_root = 'data/coco/'
+metainfo = dict(classes=classes)
+train_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
+    dict(type='Resize', scale=img_scale, keep_ratio=True),
+    dict(type='RandomFlip', prob=0.5),
+    dict(type='PackDetInputs')
+]
+test_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='Resize', scale=img_scale, keep_ratio=True),
+    dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
+    dict(
+        type='PackDetInputs',
+        meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor'))
+]
+train_dataloader = dict(
+    batch_size=4,
+    num_workers=2,
+    persistent_workers=True,
+    sampler=dict(type='InfiniteSampler', shuffle=True),
+    dataset=dict(
+        data_root=data_root,
+        metainfo=metainfo,
+        ann_file='annotations/instances_train2017.json',
+        data_prefix=dict(img='train2017/'),
+        pipeline=train_pipeline))
+val_dataloader = dict(
+    batch_size=1,
+    num_workers=2,
+    dataset=dict(
+        data_root=data_root,
+        metainfo=metainfo,
+        ann_file='annotations/instances_val2017.json',
+        data_prefix=dict(img='val2017/'),
+        pipeline=test_pipeline))
+test_dataloader = val_dataloader
+val_evaluator = dict(
+    type='CocoMetric',
+    ann_file=data_root + 'annotations/instances_val2017.json',
+    metric=['bbox', 'segm'])
+test_evaluator = val_evaluator
+
+# ~150 iterations, validation once at the end.
+train_cfg = dict(
+    _delete_=True, type='IterBasedTrainLoop', max_iters=max_iters, val_interval=max_iters)
+optim_wrapper = dict(optimizer=dict(lr=4e-4))
+param_scheduler = [
+    dict(type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=15),
+    dict(
+        type='MultiStepLR',
+        by_epoch=False,
+        begin=0,
+        end=max_iters,
+        milestones=[120, 140],
+        gamma=0.1)
+]
+auto_scale_lr = dict(enable=False, base_batch_size=4)  # lr 4e-4 is for batch 4
+
+default_hooks = dict(
+    logger=dict(type='LoggerHook', interval=10),
+    checkpoint=dict(
+        type='CheckpointHook',
+        by_epoch=False,
+        interval=max_iters,
+        max_keep_ckpts=1,
+        save_best='coco/bbox_mAP',
+        rule='greater'))
+log_processor = dict(type='LogProcessor', window_size=10, by_epoch=False)
+custom_hooks = [
+    dict(type='ProgressiveNormHook'),
+    dict(
+        type='ReparamEvalHook',
+        reparam=True,
+        check_equivalence=True,
+        tolerance=1e-3,
+        measure_latency=True,
+        warmup=2,
+        compare_unfused=True)
+]

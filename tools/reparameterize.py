@@ -1,0 +1,102 @@
+"""Export a fused (re-parameterized) checkpoint and the deploy config that builds it.
+
+    python tools/reparameterize.py CONFIG CHECKPOINT OUT_DIR [--cfg-options ...]
+
+Writes ``OUT_DIR/<config>_deploy.pth`` (fused weights) and ``OUT_DIR/<config>_deploy.py``
+(the same model built with ``deploy=True``), so that
+
+    python tools/test.py OUT_DIR/<config>_deploy.py OUT_DIR/<config>_deploy.pth
+
+evaluates the fused model directly. This is the only way mmslab writes fused weights; a
+training run's checkpoints always hold the unfused model.
+"""
+import argparse
+import os
+import os.path as osp
+import sys
+
+REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import torch  # noqa: E402
+from mmengine.config import Config, DictAction  # noqa: E402
+from mmengine.registry import init_default_scope  # noqa: E402
+from mmengine.runner import load_checkpoint  # noqa: E402
+
+import mmslab  # noqa: E402
+from mmslab.models import statistic_modules  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description='Export a fused checkpoint and deploy config')
+    p.add_argument('config')
+    p.add_argument('checkpoint')
+    p.add_argument('out_dir')
+    p.add_argument('--cfg-options', nargs='+', action=DictAction)
+    return p.parse_args(argv)
+
+
+def deploy_config(cfg: Config, backbone) -> Config:
+    """The config with the backbone built fused and the training-only hooks removed."""
+    cfg = Config(cfg.to_dict())
+    cfg.model.backbone.deploy = True
+    cfg.model.backbone.init_cfg = None
+    cfg.model.backbone.pop('pretrained', None)
+    folded = getattr(backbone, 'folded_out_norms', ())
+    if folded:
+        cfg.model.backbone.folded_out_norms = list(folded)
+    hooks = []
+    for hook in cfg.get('custom_hooks', None) or []:
+        if hook.get('type') == 'ProgressiveNormHook':
+            continue  # nothing progressive is left in a fused model
+        if hook.get('type') == 'ReparamEvalHook':
+            hook = dict(hook, reparam=False)  # already fused: keep only the latency report
+        hooks.append(hook)
+    cfg.custom_hooks = hooks
+    return cfg
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options:
+        cfg.merge_from_dict(args.cfg_options)
+    scope = cfg.get('default_scope')
+    if scope not in ('mmdet', 'mmseg'):
+        raise SystemExit(f"{args.config}: default_scope must be 'mmdet' or 'mmseg'")
+    init_default_scope(scope)
+    if scope == 'mmdet':
+        from mmdet.registry import MODELS
+    else:
+        from mmseg.registry import MODELS
+    model_cfg = cfg.model.copy()
+    model_cfg.backbone = dict(model_cfg.backbone, init_cfg=None)
+    model = MODELS.build(model_cfg)
+    ckpt = load_checkpoint(model, args.checkpoint, map_location='cpu', strict=True)
+    model.eval()
+    mmslab.reparameterize(model)
+    left = statistic_modules(model.backbone)
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = osp.splitext(osp.basename(args.config))[0] + '_deploy'
+    ckpt_path = osp.join(args.out_dir, stem + '.pth')
+    meta = dict(ckpt.get('meta', {})) if isinstance(ckpt, dict) else {}
+    meta.update(mmslab_deploy=True, source_checkpoint=osp.abspath(args.checkpoint),
+                source_config=osp.abspath(args.config))
+    torch.save(dict(state_dict=model.state_dict(), meta=meta), ckpt_path)
+    cfg_path = osp.join(args.out_dir, stem + '.py')
+    deploy_config(cfg, model.backbone).dump(cfg_path)
+    # The deploy config must rebuild exactly this structure.
+    rebuilt = MODELS.build(Config.fromfile(cfg_path).model)
+    rebuilt.load_state_dict(model.state_dict(), strict=True)
+    n_before = sum(v.numel() for v in ckpt['state_dict'].values()) if 'state_dict' in ckpt \
+        else None
+    n_after = sum(p.numel() for p in model.state_dict().values())
+    print(f'fused checkpoint: {ckpt_path}\ndeploy config:    {cfg_path}')
+    print(f'tensor elements: {n_before} -> {n_after}; backbone modules still computing '
+          f'statistics: {left or "none"}')
+    return ckpt_path, cfg_path
+
+
+if __name__ == '__main__':
+    main()
