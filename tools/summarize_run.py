@@ -1,0 +1,91 @@
+"""Summarize a training run: final metrics, fused vs unfused latency, and a plot.
+
+    python tools/summarize_run.py WORK_DIR [--elapsed SECONDS]
+
+Reads mmengine's ``vis_data/scalars.json`` of the newest run in WORK_DIR and the hook's
+``latency.json``; prints the figures and writes ``summary.json`` and ``summary.png``.
+"""
+import argparse
+import glob
+import json
+import os.path as osp
+
+
+def load_scalars(work_dir):
+    runs = sorted(glob.glob(osp.join(work_dir, '*', 'vis_data', 'scalars.json')))
+    if not runs:
+        raise SystemExit(f'no mmengine run (*/vis_data/scalars.json) found in {work_dir}')
+    with open(runs[-1]) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('work_dir')
+    p.add_argument('--elapsed', type=float, help='wall time of the run in seconds')
+    args = p.parse_args(argv)
+    records = load_scalars(args.work_dir)
+    train = [r for r in records if 'loss' in r]
+    evals = [r for r in records if 'loss' not in r and any(
+        k.endswith('mAP') or k.endswith('mIoU') for k in r)]
+    final = evals[-1] if evals else {}
+    latency = None
+    lat_path = osp.join(args.work_dir, 'latency.json')
+    if osp.exists(lat_path):
+        with open(lat_path) as f:
+            latency = json.load(f)
+    summary = dict(work_dir=osp.abspath(args.work_dir), elapsed_s=args.elapsed,
+                   final_metrics={k: v for k, v in final.items() if isinstance(v, (int, float))},
+                   latency=latency, iterations=train[-1].get('iter') if train else None)
+    print('=' * 72)
+    for key in ('coco/bbox_mAP', 'coco/bbox_mAP_50', 'coco/segm_mAP', 'coco/segm_mAP_50',
+                'mIoU', 'aAcc'):
+        if key in final:
+            print(f'{key:20s} {final[key]:.3f}  (fused model, evaluated through ReparamEvalHook)')
+    if latency:
+        fused, unfused = latency.get('fused', {}), latency.get('unfused', {})
+        if fused.get('count'):
+            print(f"latency per image  fused:   median {fused['median_ms']:.1f} ms "
+                  f"(p90 {fused['p90_ms']:.1f}, {fused['images_per_s']:.2f} img/s, "
+                  f"{fused['count']} images)")
+        if unfused.get('count'):
+            print(f"latency per image  unfused: median {unfused['median_ms']:.1f} ms "
+                  f"-> speed-up {latency.get('speedup_median', float('nan')):.2f}x")
+    if args.elapsed:
+        print(f'wall time          {args.elapsed / 60:.1f} min')
+    png = osp.join(args.work_dir, 'summary.png')
+    plot(train, evals, latency, png)
+    with open(osp.join(args.work_dir, 'summary.json'), 'w') as f:
+        json.dump(summary, f, indent=2)
+    print(f"logs, checkpoints: {osp.abspath(args.work_dir)}\nlatency:  {lat_path}\n"
+          f"plot:     {png}\nsummary:  {osp.join(args.work_dir, 'summary.json')}")
+    print('=' * 72)
+    return summary
+
+
+def plot(train, evals, latency, path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    if train:
+        axes[0].plot([r['iter'] for r in train], [r['loss'] for r in train], label='loss')
+        axes[0].set_xlabel('iteration')
+        axes[0].set_ylabel('training loss')
+        axes[0].grid(alpha=0.3)
+        axes[0].set_title('training loss')
+    if latency and latency.get('fused', {}).get('count'):
+        names, values = ['fused'], [latency['fused']['median_ms']]
+        if latency.get('unfused', {}).get('count'):
+            names.append('unfused')
+            values.append(latency['unfused']['median_ms'])
+        axes[1].bar(names, values, color=['tab:green', 'tab:gray'][:len(values)])
+        axes[1].set_ylabel('median ms per image')
+        axes[1].set_title('inference latency (same images)')
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == '__main__':
+    main()
