@@ -1,8 +1,19 @@
-"""Loading pretrained backbone weights (``init_cfg=dict(type='Pretrained', ...)``)."""
+"""Loading pretrained backbone weights (``init_cfg=dict(type='Pretrained', ...)``).
+
+Any supported layout is accepted (see :mod:`mmslab.models.converters`): the authors' SLAB and
+RePaViT ImageNet files, official/timm Swin, official PVT v1 and mmslab/mmdet checkpoints
+(bare, ``{'state_dict'}``/``{'model'}``, detector checkpoints with ``backbone.`` keys).
+"""
 from typing import Optional
 
+import torch
 import torch.nn as nn
 from mmengine.logging import print_log
+
+from .converters import adapt_to_model, convert, detect_format, strip_wrappers
+
+#: A checkpoint must provide at least this fraction of the backbone's parameter elements.
+MIN_MATCHED_FRACTION = 0.5
 
 
 def extract_state_dict(ckpt) -> dict:
@@ -15,37 +26,71 @@ def extract_state_dict(ckpt) -> dict:
     return ckpt
 
 
-def load_pretrained_backbone(backbone: nn.Module, path: str, prefix: Optional[str] = None,
-                             logger=None) -> dict:
-    """Load ``path`` into ``backbone`` non-strictly, logging missing/unexpected key counts.
+def read_checkpoint(path: str):
+    """Load a checkpoint file with ``weights_only=True`` (mmslab's allow-list if available)."""
+    try:
+        from mmslab.engine.checkpoint import load_checkpoint_file
+    except ImportError:  # pragma: no cover - the engine module is part of mmslab
+        return torch.load(path, map_location='cpu', weights_only=True)
+    return load_checkpoint_file(path, map_location='cpu')
 
-    A checkpoint of which no key fits the backbone is an error, not a silent random init.
-    Returns ``{'missing': [...], 'unexpected': [...]}``.
+
+def _log_keys(title: str, keys, logger) -> None:
+    if keys:
+        print_log(f'{title} ({len(keys)}): {keys[:20]}{" ..." if len(keys) > 20 else ""}',
+                  logger=logger)
+
+
+def load_pretrained_backbone(backbone: nn.Module, path: str, prefix: Optional[str] = None,
+                             logger=None, reset_schedule: bool = False) -> dict:
+    """Load ``path`` into ``backbone``: detect the layout, convert it, resize windows, load.
+
+    Relative-position tables, SLA positional encodings and PVT position embeddings whose
+    window/grid differs from the backbone's are resized; ``relative_position_index`` buffers
+    are always the model's own. Loading is non-strict, with the missing/unexpected keys
+    logged, but a checkpoint that provides less than half of the backbone's parameters (by
+    element count) is an error, not a silent random init.
+
+    Returns ``dict(format, missing, unexpected, shape_mismatch, dropped, resized)``.
     """
-    from mmslab.engine.checkpoint import load_checkpoint_file
-    state = extract_state_dict(load_checkpoint_file(path, map_location='cpu'))
+    logger = logger or 'current'
+    state = extract_state_dict(read_checkpoint(path))
     if prefix:
         prefix = prefix if prefix.endswith('.') else prefix + '.'
         state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    elif any(k.startswith('backbone.') for k in state):
-        state = {k[9:]: v for k, v in state.items() if k.startswith('backbone.')}
+        if not state:
+            raise ValueError(f'no key of {path} starts with prefix {prefix!r}')
+    state = strip_wrappers(state)
+    state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    try:
+        fmt = detect_format(state)
+    except ValueError as err:
+        raise ValueError(f'{path}: {err}') from err
     own = backbone.state_dict()
-    matched = [k for k, v in state.items() if k in own and own[k].shape == v.shape]
-    if not matched:
-        raise ValueError(f'no key of {path} matches {type(backbone).__name__} '
-                         f'(e.g. checkpoint has {list(state)[:3]}, model has {list(own)[:3]}); '
-                         'wrong architecture or a layout that needs tools/convert_checkpoint.py')
+    state, dropped = convert(state, fmt, reset_schedule=reset_schedule, target_norm=set(own))
+    state, resized = adapt_to_model(state, backbone)
     shape_mismatch = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
     for k in shape_mismatch:
         state.pop(k)
+    params = dict(backbone.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    loaded = sum(p.numel() for k, p in params.items() if k in state)
+    if total == 0 or loaded < MIN_MATCHED_FRACTION * total:
+        raise ValueError(
+            f'{path} ({fmt} layout) provides {loaded}/{total} parameter elements of '
+            f'{type(backbone).__name__}: wrong architecture? (checkpoint keys after conversion '
+            f'e.g. {list(state)[:3]}, model keys e.g. {list(own)[:3]}; shape mismatches: '
+            f'{shape_mismatch[:5]})')
     result = backbone.load_state_dict(state, strict=False)
-    print_log(f'loaded {len(matched)} tensors from {path}: {len(result.missing_keys)} missing, '
-              f'{len(result.unexpected_keys)} unexpected, {len(shape_mismatch)} shape-mismatched '
-              f'keys', logger=logger or 'current')
-    for title, keys in (('missing', result.missing_keys),
-                        ('unexpected', result.unexpected_keys),
-                        ('shape mismatch', shape_mismatch)):
-        if keys:
-            print_log(f'{title} keys: {keys[:20]}{" ..." if len(keys) > 20 else ""}',
-                      logger=logger or 'current')
-    return dict(missing=result.missing_keys, unexpected=result.unexpected_keys)
+    # The model's own relative_position_index buffers are right by construction.
+    missing = [k for k in result.missing_keys if not k.endswith('relative_position_index')]
+    print_log(f'loaded {path} ({fmt} layout): {loaded}/{total} parameter elements, '
+              f'{len(missing)} missing, {len(result.unexpected_keys)} unexpected, '
+              f'{len(shape_mismatch)} shape-mismatched, {len(dropped)} dropped, '
+              f'{len(resized)} resized keys', logger=logger)
+    _log_keys('missing keys', missing, logger)
+    _log_keys('unexpected keys', result.unexpected_keys, logger)
+    _log_keys('shape-mismatched keys (not loaded)', shape_mismatch, logger)
+    _log_keys('resized keys', resized, logger)
+    return dict(format=fmt, missing=missing, unexpected=result.unexpected_keys,
+                shape_mismatch=shape_mismatch, dropped=dropped, resized=resized)

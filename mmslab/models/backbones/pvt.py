@@ -138,7 +138,7 @@ class GlobalSLA(nn.Module):
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
         b = x.shape[0]
-        out = self.kernel.attend(self.kernel.qkv(x), 1, tuple(hw_shape))
+        out = self.kernel.attend(self.kernel.qkv(x), 1, tuple(hw_shape)).reshape(x.shape)
         return self.kernel.proj_drop(self.kernel.proj(out))
 
     def absorb_input_affine(self, scale: Tensor, shift: Tensor) -> None:

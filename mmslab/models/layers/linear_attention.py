@@ -21,12 +21,6 @@ def _split_heads(t: Tensor, num_heads: int) -> Tensor:
     return t.view(b, n, num_heads, c // num_heads).transpose(1, 2)
 
 
-def _merge_heads(t: Tensor) -> Tensor:
-    """``[B, heads, N, d]`` -> ``[B, N, heads*d]``."""
-    b, h, n, d = t.shape
-    return t.transpose(1, 2).reshape(b, n, h * d)
-
-
 @register_model()
 class SLA(WindowKernelBase):
     """Simplified linear attention (SLAB, eq. 9) inside windows.
@@ -90,7 +84,7 @@ class SLA(WindowKernelBase):
             v_map = v.reshape(bw * self.num_heads, wh, ww, d).permute(0, 3, 1, 2)
             dwc = self.dwc(v_map.to(self.dwc.weight.dtype)).to(dtype)
             out = out + dwc.permute(0, 2, 3, 1).reshape(bw, self.num_heads, n, d)
-        return _merge_heads(out).to(qkv.dtype)
+        return out.transpose(1, 2).to(qkv.dtype)
 
 
 @register_model()
@@ -121,7 +115,7 @@ class BiNormAttention(WindowKernelBase):
         q, k, v = (_split_heads(t, self.num_heads) for t in (q, k, v))
         kv = F.normalize(k.transpose(-2, -1) @ v, dim=-2, eps=self.eps)  # over key channels
         out = F.normalize(q, dim=-1, eps=self.eps) @ kv
-        return _merge_heads(out)
+        return out.transpose(1, 2)
 
 
 def _reject_unused(kwargs: dict, name: str) -> None:

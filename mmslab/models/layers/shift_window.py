@@ -26,20 +26,14 @@ def window_partition(x: Tensor, wh: int, ww: int) -> Tensor:
     return x.reshape(-1, wh * ww, c)
 
 
-def window_reverse(windows: Tensor, b: int, h: int, w: int, wh: int, ww: int) -> Tensor:
-    """``[B*nW, wh*ww, C]`` -> ``[B, H, W, C]``."""
-    c = windows.shape[-1]
-    x = windows.view(b, h // wh, w // ww, wh, ww, c).transpose(2, 3)
-    return x.reshape(b, h, w, c)
-
-
 class ShiftWindowAttention(nn.Module):
     """Window attention with optional cyclic shift, as mmdet's ``ShiftWindowMSA``.
 
     ``qkv`` runs on the unpadded tokens (it is pointwise) and padded positions get the value a
     zero token would have after ``qkv`` (mmdet pads the normalized tokens with zeros); ``proj``
     runs after cropping. Kernels with ``masks_padding`` exclude padded tokens instead.
-    Shift masks and padding masks are constants cached per padded size.
+    Pad + roll + partition is a single cached-index gather, and so is its inverse; shift and
+    padding masks are constants cached per input size.
 
     Shape: ``[B, H*W, C]`` with ``hw_shape=(H, W)`` -> ``[B, H*W, C]``.
     """
@@ -64,33 +58,59 @@ class ShiftWindowAttention(nn.Module):
             return h, w  # one window covers the map: crop it instead of padding (exact)
         return wh, ww
 
-    def _masks(self, hp: int, wp: int, h: int, w: int, wh: int, ww: int, device):
-        """Cached ``(shift_mask [nW, N, N] or None, valid [nW, N] or None)``."""
-        key = (hp, wp, h, w, wh, ww, device)
-        if key in self._cache:
-            return self._cache[key]
+    def _layout(self, h: int, w: int, device) -> dict:
+        """Cached index maps between the ``h x w`` tokens and the (shifted, padded) windows.
+
+        ``gather``: for every window slot (windows row-major, tokens row-major inside), the
+        source token, or ``h*w`` for a padded slot. ``bidx``/``pidx``: for every token, its
+        window (batch 0) and position in it, used to scatter the attention output back.
+        Roll, pad, partition and their inverses become one gather each way.
+        """
+        key = (h, w, str(device))
+        layout = self._cache.get(key)
+        if layout is not None:
+            return layout
+        wh, ww = self._window_for(h, w)
+        hp, wp = -(-h // wh) * wh, -(-w // ww) * ww
         s = self.shift_size if (wh, ww) == self.window_size else 0
-        shift_mask = valid = None
-        if s and self.w_msa.uses_shift_mask:
-            img = torch.zeros(1, hp, wp, 1, device=device)
-            cnt = 0
-            for hs in (slice(0, -wh), slice(-wh, -s), slice(-s, None)):
-                for ws in (slice(0, -ww), slice(-ww, -s), slice(-s, None)):
-                    img[:, hs, ws, :] = cnt
-                    cnt += 1
-            win = window_partition(img, wh, ww).squeeze(-1)  # [nW, N]
-            diff = win.unsqueeze(1) - win.unsqueeze(2)
-            shift_mask = diff.masked_fill(diff != 0, -100.0).masked_fill(diff == 0, 0.0)
-        if self.w_msa.masks_padding and (hp != h or wp != w):
-            keep = torch.zeros(1, hp, wp, 1, device=device)
-            keep[:, :h, :w] = 1
-            if s:
-                keep = torch.roll(keep, shifts=(-s, -s), dims=(1, 2))
-            valid = window_partition(keep, wh, ww).squeeze(-1) > 0
+        nwh, nww = hp // wh, wp // ww
+        i = torch.arange(hp, device=device).view(nwh, wh, 1, 1)
+        j = torch.arange(wp, device=device).view(1, 1, nww, ww)
+        src_i = ((i + s) % hp).expand(nwh, wh, nww, ww)
+        src_j = ((j + s) % wp).expand(nwh, wh, nww, ww)
+        # [nWh, wh, nWw, ww] -> [nWh, nWw, wh, ww]: window-major slot order
+        src_i = src_i.permute(0, 2, 1, 3).reshape(-1)
+        src_j = src_j.permute(0, 2, 1, 3).reshape(-1)
+        valid = (src_i < h) & (src_j < w)
+        gather = torch.where(valid, src_i * w + src_j, torch.full_like(src_i, h * w))
+        n = wh * ww
+        slot_of_token = torch.empty(h * w, dtype=torch.long, device=device)
+        slots = torch.arange(gather.numel(), device=device)
+        slot_of_token[gather[valid]] = slots[valid]
+        layout = dict(wh=wh, ww=ww, hp=hp, wp=wp, shift=s, num_windows=nwh * nww,
+                      identity=(wh, ww) == (h, w) and s == 0,
+                      gather=gather.clamp(max=h * w - 1), pad_slots=slots[~valid],
+                      bidx=slot_of_token // n, pidx=slot_of_token % n,
+                      valid=valid.view(-1, n) if not bool(valid.all()) else None)
+        layout['shift_mask'] = self._shift_mask(hp, wp, wh, ww, s, device)
         if len(self._cache) > 16:
             self._cache.clear()
-        self._cache[key] = (shift_mask, valid)
-        return shift_mask, valid
+        self._cache[key] = layout
+        return layout
+
+    def _shift_mask(self, hp: int, wp: int, wh: int, ww: int, s: int, device):
+        """``[nW, N, N]`` additive mask (0 / -100) separating regions the shift wrapped."""
+        if not (s and self.w_msa.uses_shift_mask):
+            return None
+        img = torch.zeros(1, hp, wp, 1, device=device)
+        cnt = 0
+        for hs in (slice(0, -wh), slice(-wh, -s), slice(-s, None)):
+            for ws in (slice(0, -ww), slice(-ww, -s), slice(-s, None)):
+                img[:, hs, ws, :] = cnt
+                cnt += 1
+        win = window_partition(img, wh, ww).squeeze(-1)  # [nW, N]
+        diff = win.unsqueeze(1) - win.unsqueeze(2)
+        return torch.zeros_like(diff).masked_fill(diff != 0, -100.0)
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
         b, n, c = x.shape
@@ -98,27 +118,30 @@ class ShiftWindowAttention(nn.Module):
         if n != h * w:
             raise ValueError(f'input has {n} tokens but hw_shape {hw_shape} has {h * w}')
         kernel = self.w_msa
-        qkv = kernel.qkv(x).view(b, h, w, 3 * c)
-        wh, ww = self._window_for(h, w)
-        hp, wp = -(-h // wh) * wh, -(-w // ww) * ww
-        if (hp, wp) != (h, w):
-            pad = kernel.pad_value()
-            padded = qkv.new_zeros(b, hp, wp, 3 * c) if pad is None else \
-                pad.to(qkv.dtype).expand(b, hp, wp, 3 * c).clone()
-            padded[:, :h, :w] = qkv
-            qkv = padded
-        s = self.shift_size if (wh, ww) == self.window_size else 0
-        if s:
-            qkv = torch.roll(qkv, shifts=(-s, -s), dims=(1, 2))
-        shift_mask, valid = self._masks(hp, wp, h, w, wh, ww, x.device)
-        windows = window_partition(qkv, wh, ww)
-        num_windows = (hp // wh) * (wp // ww)
-        out = kernel.attend(windows, num_windows, (wh, ww), shift_mask=shift_mask, valid=valid,
-                            cache_key=(hp, wp, wh, ww, s, str(x.device)))
-        out = window_reverse(out, b, hp, wp, wh, ww)
-        if s:
-            out = torch.roll(out, shifts=(s, s), dims=(1, 2))
-        if (hp, wp) != (h, w):
-            out = out[:, :h, :w]
-        out = kernel.proj(out.reshape(b, h * w, c))
-        return kernel.proj_drop(out)
+        lay = self._layout(h, w, x.device)
+        qkv = kernel.qkv(x)  # [B, HW, 3C]
+        nw, wh, ww = lay['num_windows'], lay['wh'], lay['ww']
+        if lay['identity']:
+            windows = qkv
+        else:
+            windows = qkv.index_select(1, lay['gather'])  # [B, nW*N, 3C]
+            if lay['pad_slots'].numel():
+                pad = kernel.pad_value()
+                windows[:, lay['pad_slots']] = 0.0 if pad is None else pad.to(windows.dtype)
+            windows = windows.view(b * nw, wh * ww, 3 * c)
+        out = kernel.attend(windows, nw, (wh, ww), shift_mask=lay['shift_mask'],
+                            valid=lay['valid'],
+                            cache_key=(lay['hp'], lay['wp'], wh, ww, lay['shift'],
+                                       str(x.device)))
+        # out: [B*nW, N, C] or [B*nW, N, heads, d] (a view): one gather back to token order.
+        if lay['identity']:
+            out = out.reshape(b, n, c)
+        else:
+            bidx = lay['bidx']
+            if b > 1:
+                bidx = (bidx + nw * torch.arange(b, device=x.device).view(b, 1)).view(-1)
+                pidx = lay['pidx'].repeat(b)
+            else:
+                pidx = lay['pidx']
+            out = out[bidx, pidx].view(b, n, c)
+        return kernel.proj_drop(kernel.proj(out))

@@ -62,7 +62,8 @@ class WindowKernelBase(nn.Module):
     def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
                shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
                cache_key=None) -> Tensor:
-        """``[B*nW, N, 3C]`` -> ``[B*nW, N, C]`` (before ``proj``).
+        """``[B*nW, N, 3C]`` -> ``[B*nW, N, C]`` or ``[B*nW, N, heads, C/heads]`` (before
+        ``proj``; the 4-D form may be a strided view).
 
         ``cache_key`` identifies the padded layout (constant masks may be cached under it).
         """
@@ -157,4 +158,4 @@ class WindowMSA(WindowKernelBase):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.0,
             scale=self.scale)
-        return out.transpose(1, 2).reshape(bw, n, self.embed_dims)
+        return out.transpose(1, 2)  # [B', N, heads, d] view; the caller gathers it

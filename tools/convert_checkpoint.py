@@ -1,0 +1,57 @@
+"""Convert an ImageNet checkpoint (SLAB, RePaViT, official/timm Swin, official PVT v1) into an
+mmslab backbone checkpoint.
+
+    python tools/convert_checkpoint.py SRC DST [--format auto|slab|repavit|swin|timm|pvt|mmslab]
+        [--arch NAME] [--reset-schedule]
+
+SRC may be ``{'model': ...}``, ``{'state_dict': ...}`` or a bare state dict; it is read with
+``weights_only=True``, so a file holding pickled objects is refused. The backbone is built from
+``--arch`` (e.g. prepbn_swin_t, slab_swin_t, slab_swin_s, repa_swin_t/s/b, prepbn_pvt_t/s/m,
+slab_pvt_t, swin_t) or inferred from the keys, and the converted weights must load into it
+strictly (only output norms and relative-position indices, which classification checkpoints
+do not have, keep their initial values). DST is ``{'state_dict': ..., 'meta': ...}``; use it as
+``init_cfg=dict(type='Pretrained', checkpoint=DST)``.
+
+The authors' progressive norms carry their schedule over (a finished LN -> RepBN decay stays
+finished); ``--reset-schedule`` restarts it.
+"""
+import argparse
+import os.path as osp
+import pickle
+import sys
+
+sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+
+from mmslab.models.converters import ARCHS, FORMATS, convert_checkpoint_file  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('src', help='source checkpoint')
+    parser.add_argument('dst', help='where to write the mmslab backbone checkpoint')
+    parser.add_argument('--format', default='auto', choices=('auto', ) + FORMATS,
+                        help='source layout (default: detect it from the keys)')
+    parser.add_argument('--arch', default=None, choices=sorted(ARCHS),
+                        help='target architecture (default: inferred from the keys)')
+    parser.add_argument('--reset-schedule', action='store_true',
+                        help='restart progressive LN -> RepBN schedules (schedule_offset = 0)')
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        convert_checkpoint_file(args.src, args.dst, fmt=args.format, arch=args.arch,
+                                reset_schedule=args.reset_schedule)
+    except pickle.UnpicklingError as err:
+        print(f'error: {args.src} holds pickled objects and is refused (weights_only load): '
+              f'{str(err).splitlines()[0]}', file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, TypeError) as err:
+        print(f'error: {err}', file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
