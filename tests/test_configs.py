@@ -298,22 +298,24 @@ def check_weight_decay(model, optim_wrapper, base_wd):
 
 def check_no_decay_settings(cfg):
     paramwise = cfg.optim_wrapper.paramwise_cfg
-    assert paramwise.norm_decay_mult == 0
+    assert paramwise.get('norm_decay_mult') == 0, 'norms must not decay'
+    custom = paramwise.get('custom_keys', {})
     for key in NO_DECAY_KEYS:
-        assert paramwise.custom_keys[key].decay_mult == 0, key
+        assert key in custom and custom[key].get('decay_mult') == 0, f'{key!r} must not decay'
 
 
 @pytest.mark.parametrize('path', [c for c in FULL_CONFIGS if c.endswith('_1x.py')], ids=cid)
 def test_schedule_1x(path):
     cfg = load(path)
-    assert cfg.train_cfg.type == 'EpochBasedTrainLoop' and cfg.train_cfg.max_epochs == 12
+    assert cfg.train_cfg.type == 'EpochBasedTrainLoop' and cfg.train_cfg.max_epochs == 12, \
+        cfg.train_cfg
     warmup, steps = cfg.param_scheduler
     assert warmup.type == 'LinearLR' and not warmup.by_epoch
     assert (warmup.begin, warmup.end) == (0, 500)
     assert steps.type == 'MultiStepLR' and steps.by_epoch and list(steps.milestones) == [8, 11]
-    assert steps.gamma == 0.1 and steps.end == 12
+    assert steps.gamma == 0.1 and steps.end == 12, steps
     opt = cfg.optim_wrapper.optimizer
-    assert opt.type == 'AdamW' and opt.lr == 1e-4 and opt.weight_decay == 0.05
+    assert (opt.type, opt.lr, opt.weight_decay) == ('AdamW', 1e-4, 0.05), opt
     check_no_decay_settings(cfg)
     assert cfg.train_dataloader.batch_size == 2  # x 8 GPUs
     assert cfg.auto_scale_lr.base_batch_size == 16
@@ -324,13 +326,14 @@ def test_schedule_1x(path):
 def test_schedule_160k(path):
     cfg = load(path)
     assert cfg.train_cfg.type == 'IterBasedTrainLoop'
-    assert cfg.train_cfg.max_iters == 160000 and cfg.train_cfg.val_interval == 16000
+    assert (cfg.train_cfg.max_iters, cfg.train_cfg.val_interval) == (160000, 16000), \
+        cfg.train_cfg
     warmup, poly = cfg.param_scheduler
     assert warmup.type == 'LinearLR' and (warmup.begin, warmup.end) == (0, 1500)
     assert poly.type == 'PolyLR' and poly.power == 1.0 and poly.eta_min == 0
     assert (poly.begin, poly.end) == (1500, 160000) and not poly.by_epoch
     opt = cfg.optim_wrapper.optimizer
-    assert opt.type == 'AdamW' and opt.lr == 6e-5 and opt.weight_decay == 0.01
+    assert (opt.type, opt.lr, opt.weight_decay) == ('AdamW', 6e-5, 0.01), opt
     check_no_decay_settings(cfg)
     assert cfg.train_dataloader.batch_size == 2 and cfg.auto_scale_lr.base_batch_size == 16
     assert tuple(cfg.model.data_preprocessor.size) == (512, 512)
@@ -366,7 +369,8 @@ def test_norm_schedule_and_hooks(path):
         assert hook_cfgs(cfg, 'ProgressiveNormHook'), \
             'the backbone has PRepBN/UN layers but no ProgressiveNormHook'
     reparam = hook_cfgs(cfg, 'ReparamEvalHook')
-    assert len(reparam) == 1 and reparam[0].get('reparam', True)
+    assert len(reparam) == 1 and reparam[0].get('reparam', True), \
+        'validation must run through one ReparamEvalHook(reparam=True)'
     assert cfg.custom_imports.imports == ['mmslab']
     assert not cfg.custom_imports.allow_failed_imports
     ckpt = cfg.default_hooks.checkpoint

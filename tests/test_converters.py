@@ -453,11 +453,16 @@ def test_convert_tool_end_to_end(tmp_path):
     dst = SLABSwin(**SWIN, window_size=(8, 4, 4, 4))
     info = load_pretrained_backbone(dst, out)
     assert info['format'] == 'mmslab' and not info['missing'] and not info['unexpected']
+    assert all(float(m.schedule_offset) == 1.0 for _, m in prepbn_modules(dst))  # finished
     for i in range(4):  # same output norms, then the same features
         getattr(dst, f'norm{i}').load_state_dict(getattr(src, f'norm{i}').state_dict())
     x = torch.randn(1, 3, 64, 64)
     assert_same_outputs(outputs(dst.eval(), x), outputs(src, x))
+    via_cfg = SLABSwin(**SWIN, window_size=(8, 4, 4, 4), pretrained=out)
+    via_cfg.init_weights()  # init_cfg Pretrained goes through load_pretrained_backbone
+    for k, v in via_cfg.state_dict().items():
+        if not re.match(r'norm\d+\.', k):
+            assert torch.equal(v, dst.state_dict()[k]), k
     # --arch checks the geometry: this tiny model is no Swin-T
-    meta = None
     with pytest.raises(ValueError, match='does not match --arch slab_swin_t'):
         convert_checkpoint_file(path, out, arch='slab_swin_t', log=None)

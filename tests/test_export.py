@@ -1,7 +1,6 @@
 """Export round trip: deploy config + fused checkpoint == the original model."""
 import importlib.util
 import os.path as osp
-import textwrap
 
 import pytest
 import torch

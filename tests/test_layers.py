@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import mmslab  # noqa: F401  (registers everything)
 from mmslab.engine.hooks import set_progressive_iter
-from mmslab.models.layers import (SLA, BiNormAttention, ChannelIdleFFN, PRepBN, RepBN,
+from mmslab.models.layers import (SLA, ChannelIdleFFN, PRepBN, RepBN,
                                   ShiftWindowAttention, TokenBN, WindowMSA, build_norm,
                                   fold_affine_into_next_conv, fold_affine_into_next_linear,
                                   fold_affine_into_prev)

@@ -18,11 +18,11 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import torch  # noqa: E402
-from mmengine.analysis import FlopAnalyzer, parameter_count  # noqa: E402
-from mmengine.config import Config, DictAction  # noqa: E402
-from mmengine.registry import init_default_scope  # noqa: E402
+from mmengine.analysis import FlopAnalyzer  # noqa: E402
+from mmengine.config import DictAction  # noqa: E402
 
 import mmslab  # noqa: E402
+from mmslab.utils.launch import build_model_from_config  # noqa: E402
 
 
 def sdpa_flop(inputs, outputs):
@@ -59,20 +59,8 @@ def analyze(module, inputs):
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = Config.fromfile(args.config)
-    if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
-    scope = cfg.get('default_scope')
-    if scope not in ('mmdet', 'mmseg'):
-        raise SystemExit(f"{args.config}: default_scope must be 'mmdet' or 'mmseg'")
-    init_default_scope(scope)
-    if scope == 'mmdet':
-        from mmdet.registry import MODELS
-    else:
-        from mmseg.registry import MODELS
-    model_cfg = cfg.model.copy()
-    model_cfg.backbone = dict(model_cfg.backbone, init_cfg=None)
-    model = MODELS.build(model_cfg).eval()
+    _, model = build_model_from_config(args.config, args.cfg_options)
+    model.eval()
     fused = mmslab.reparameterize(copy.deepcopy(model))
     h, w = args.shape
     x = torch.randn(1, 3, -(-h // 32) * 32, -(-w // 32) * 32)

@@ -21,11 +21,11 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import torch  # noqa: E402
-from mmengine.config import Config, DictAction  # noqa: E402
-from mmengine.registry import init_default_scope  # noqa: E402
+from mmengine.config import DictAction  # noqa: E402
 from mmengine.utils import ProgressBar  # noqa: E402
 
 import mmslab  # noqa: E402,F401
+from mmslab.utils.launch import build_model_from_config  # noqa: E402
 from mmslab.benchmark import (fused_copy, make_runners, measure_interleaved,  # noqa: E402
                               parse_shape, summarize)
 
@@ -53,20 +53,7 @@ def parse_args(argv=None):
 
 
 def build_model(config: str, checkpoint=None, cfg_options=None):
-    cfg = Config.fromfile(config)
-    if cfg_options:
-        cfg.merge_from_dict(cfg_options)
-    scope = cfg.get('default_scope')
-    if scope not in ('mmdet', 'mmseg'):
-        raise SystemExit(f"{config}: default_scope must be 'mmdet' or 'mmseg', got {scope!r}")
-    init_default_scope(scope)
-    if scope == 'mmdet':
-        from mmdet.registry import MODELS
-    else:
-        from mmseg.registry import MODELS
-    model_cfg = cfg.model
-    model_cfg.get('backbone', {}).pop('init_cfg', None)  # latency needs no pretrained file
-    model = MODELS.build(model_cfg)
+    _, model = build_model_from_config(config, cfg_options)
     if checkpoint:
         from mmengine.runner import load_checkpoint
         load_checkpoint(model, checkpoint, map_location='cpu', strict=True)

@@ -26,7 +26,7 @@ from mmslab.models.converters import ARCHS, FORMATS, convert_checkpoint_file  # 
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0].replace('\n', ' '))
     parser.add_argument('src', help='source checkpoint')
     parser.add_argument('dst', help='where to write the mmslab backbone checkpoint')
     parser.add_argument('--format', default='auto', choices=('auto', ) + FORMATS,
@@ -44,8 +44,9 @@ def main(argv=None) -> int:
         convert_checkpoint_file(args.src, args.dst, fmt=args.format, arch=args.arch,
                                 reset_schedule=args.reset_schedule)
     except pickle.UnpicklingError as err:
-        print(f'error: {args.src} holds pickled objects and is refused (weights_only load): '
-              f'{str(err).splitlines()[0]}', file=sys.stderr)
+        lines = [ln for ln in str(err).splitlines() if 'Unsupported global' in ln]
+        print(f'error: {args.src} holds pickled objects and is refused (weights_only load)'
+              f'{": " + lines[0].strip() if lines else ""}', file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, TypeError) as err:
         print(f'error: {err}', file=sys.stderr)

@@ -21,11 +21,11 @@ if REPO_ROOT not in sys.path:
 
 import torch  # noqa: E402
 from mmengine.config import Config, DictAction  # noqa: E402
-from mmengine.registry import init_default_scope  # noqa: E402
 from mmengine.runner import load_checkpoint  # noqa: E402
 
 import mmslab  # noqa: E402
 from mmslab.models import statistic_modules  # noqa: E402
+from mmslab.utils.launch import build_model_from_config, model_registry  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -59,20 +59,8 @@ def deploy_config(cfg: Config, backbone) -> Config:
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = Config.fromfile(args.config)
-    if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
-    scope = cfg.get('default_scope')
-    if scope not in ('mmdet', 'mmseg'):
-        raise SystemExit(f"{args.config}: default_scope must be 'mmdet' or 'mmseg'")
-    init_default_scope(scope)
-    if scope == 'mmdet':
-        from mmdet.registry import MODELS
-    else:
-        from mmseg.registry import MODELS
-    model_cfg = cfg.model.copy()
-    model_cfg.backbone = dict(model_cfg.backbone, init_cfg=None)
-    model = MODELS.build(model_cfg)
+    cfg, model = build_model_from_config(args.config, args.cfg_options)
+    MODELS = model_registry(cfg.default_scope)
     ckpt = load_checkpoint(model, args.checkpoint, map_location='cpu', strict=True)
     model.eval()
     mmslab.reparameterize(model)

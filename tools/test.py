@@ -11,7 +11,6 @@ logged as usual and, on the main process, printed as one JSON line starting with
 """
 import argparse
 import copy
-import datetime
 import json
 import os
 import os.path as osp
@@ -26,13 +25,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mmengine.config import Config, ConfigDict, DictAction  # noqa: E402
 from mmengine.dist import is_main_process  # noqa: E402
-from mmengine.registry import RUNNERS, init_default_scope  # noqa: E402
+from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
 import mmslab  # noqa: E402,F401  (registers mmslab's components)
 import mmslab.engine  # noqa: E402,F401  (weights-only checkpoint loading for mmengine)
+from mmslab.utils import DataNotFoundError, check_data_root  # noqa: E402
+from mmslab.utils.launch import resolve_scope, setup_cpu_distributed  # noqa: E402
 
-SCOPES = ('mmdet', 'mmseg')
 METRICS_PREFIX = 'mmslab-test-metrics: '
 
 
@@ -63,38 +63,6 @@ def parse_args(argv=None):
     if 'LOCAL_RANK' not in os.environ:
         os.environ['LOCAL_RANK'] = str(args.local_rank)
     return args
-
-
-def resolve_scope(cfg: Config, config_path: str) -> str:
-    """The config's ``default_scope``; exits with a clear message if it is missing or unknown."""
-    scope = cfg.get('default_scope', None)
-    if scope not in SCOPES:
-        what = 'has no default_scope' if scope is None else f'has default_scope={scope!r}'
-        raise SystemExit(f'error: config {config_path} {what}; mmslab tools need '
-                         f"default_scope = 'mmdet' (detection) or 'mmseg' (segmentation).")
-    return scope
-
-
-def setup_cpu_distributed(cfg: Config, launcher: str) -> bool:
-    """gloo process group and CPU DDP wrapper for ``launcher='pytorch'`` without CUDA.
-
-    Same as in ``tools/train.py``: mmengine's own initialisation would call
-    ``torch.cuda.set_device``. Returns whether a process group was created here.
-    """
-    if launcher != 'pytorch' or torch.cuda.is_available():
-        return False
-    import torch.distributed as dist
-    cfg.merge_from_dict({'env_cfg.dist_cfg.backend': 'gloo'})
-    if cfg.get('model_wrapper_cfg', None) is None:
-        cfg.model_wrapper_cfg = dict(type='MMDistributedDataParallel', device_ids=None)
-    if dist.is_initialized():
-        return False
-    kwargs = {}
-    timeout = cfg.env_cfg.dist_cfg.get('timeout', None)
-    if timeout is not None:
-        kwargs['timeout'] = datetime.timedelta(seconds=timeout)
-    dist.init_process_group(backend='gloo', init_method='env://', **kwargs)
-    return True
 
 
 def trigger_visualization_hook(cfg: Config, args, scope: str) -> None:
@@ -190,7 +158,10 @@ def main(argv=None):
     if args.cfg_options is not None:
         cfg.merge_from_dict(args.cfg_options)
     scope = resolve_scope(cfg, args.config)
-    init_default_scope(scope)
+    try:
+        check_data_root(cfg, 'test', args.config)
+    except DataNotFoundError as err:
+        raise SystemExit(f'error: {err}')
 
     if args.work_dir is not None:
         cfg.work_dir = args.work_dir

@@ -8,7 +8,6 @@ path resumes from the latest checkpoint in the work directory. Multi-process tra
 ``tools/dist_train.sh CONFIG NPROC [args]``; on a machine without CUDA the processes talk over gloo.
 """
 import argparse
-import datetime
 import logging
 import os
 import os.path as osp
@@ -21,13 +20,14 @@ if REPO_ROOT not in sys.path:
 import torch  # noqa: E402
 from mmengine.config import Config, DictAction  # noqa: E402
 from mmengine.logging import print_log  # noqa: E402
-from mmengine.registry import RUNNERS, init_default_scope  # noqa: E402
+from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
 import mmslab  # noqa: E402,F401  (registers mmslab's components)
 import mmslab.engine  # noqa: E402,F401  (weights-only checkpoint loading for mmengine)
+from mmslab.utils import DataNotFoundError, check_data_root  # noqa: E402
+from mmslab.utils.launch import resolve_scope, setup_cpu_distributed  # noqa: E402
 
-SCOPES = ('mmdet', 'mmseg')
 
 
 def parse_args(argv=None):
@@ -54,41 +54,6 @@ def parse_args(argv=None):
     if 'LOCAL_RANK' not in os.environ:
         os.environ['LOCAL_RANK'] = str(args.local_rank)
     return args
-
-
-def resolve_scope(cfg: Config, config_path: str) -> str:
-    """The config's ``default_scope``; exits with a clear message if it is missing or unknown."""
-    scope = cfg.get('default_scope', None)
-    if scope not in SCOPES:
-        what = 'has no default_scope' if scope is None else f'has default_scope={scope!r}'
-        raise SystemExit(f'error: config {config_path} {what}; mmslab tools need '
-                         f"default_scope = 'mmdet' (detection) or 'mmseg' (segmentation).")
-    return scope
-
-
-def setup_cpu_distributed(cfg: Config, launcher: str) -> bool:
-    """Prepare ``launcher='pytorch'`` runs on a machine without CUDA.
-
-    mmengine's own initialisation calls ``torch.cuda.set_device`` and its default DDP wrapper
-    passes ``device_ids=[LOCAL_RANK]``; both fail without CUDA. Initialise a gloo process group
-    here (the Runner skips its own initialisation when a group exists) and wrap with
-    ``device_ids=None`` unless the config sets its own wrapper. Nothing changes when CUDA exists.
-    Returns whether a process group was created here.
-    """
-    if launcher != 'pytorch' or torch.cuda.is_available():
-        return False
-    import torch.distributed as dist
-    cfg.merge_from_dict({'env_cfg.dist_cfg.backend': 'gloo'})
-    if cfg.get('model_wrapper_cfg', None) is None:
-        cfg.model_wrapper_cfg = dict(type='MMDistributedDataParallel', device_ids=None)
-    if not dist.is_initialized():
-        kwargs = {}
-        timeout = cfg.env_cfg.dist_cfg.get('timeout', None)
-        if timeout is not None:
-            kwargs['timeout'] = datetime.timedelta(seconds=timeout)
-        dist.init_process_group(backend='gloo', init_method='env://', **kwargs)
-        return True
-    return False
 
 
 def default_work_dir(cfg: Config, work_dir, config_path: str) -> None:
@@ -129,8 +94,11 @@ def main(argv=None):
     cfg.launcher = args.launcher
     if args.cfg_options is not None:
         cfg.merge_from_dict(args.cfg_options)
-    scope = resolve_scope(cfg, args.config)
-    init_default_scope(scope)
+    resolve_scope(cfg, args.config)
+    try:
+        check_data_root(cfg, 'train', args.config)
+    except DataNotFoundError as err:
+        raise SystemExit(f'error: {err}')
     default_work_dir(cfg, args.work_dir, args.config)
 
     if args.amp:

@@ -73,7 +73,7 @@ _MODEL_BUFFERS = ('relative_position_index', 'attn_mask')
 # Official patch merging concatenates the 2x2 offsets (dh, dw) in the order
 # (0,0), (1,0), (0,1), (1,1), channel-minor; mmslab/mmdet use nn.Unfold's channel-major order
 # with offsets (0,0), (0,1), (1,0), (1,1). Our offset j comes from official offset _UNFOLD[j].
-_UNFOLD = [0, 1, 2, 3]
+_UNFOLD = [0, 2, 1, 3]
 
 
 # ------------------------------------------------------------------------------------------
@@ -634,8 +634,10 @@ def infer_backbone_cfg(state_dict: Dict[str, Tensor], arch: Optional[str] = None
     else:
         if spec['type'] not in ('ReparamPVT', 'PRepBNPVT', 'SLABPVT'):
             raise ValueError(f'--arch {arch} is a Swin but the checkpoint is a PVT')
-        want = dict(num_layers=tuple(ReparamPVT.arch_zoo[spec['arch']]))
-        got = dict(num_layers=kwargs['num_layers'])
+        want = dict(num_layers=tuple(ReparamPVT.arch_zoo[spec['arch']]),
+                    widths=(64, 128, 320, 512))
+        got = dict(num_layers=kwargs['num_layers'],
+                   widths=tuple(kwargs['embed_dims'] * h for h in kwargs['num_heads']))
     if want != got:
         raise ValueError(f'checkpoint does not match --arch {arch}: expected {want}, '
                          f'checkpoint has {got}')
@@ -707,11 +709,16 @@ def convert_checkpoint_file(src: str, dst: str, fmt: str = 'auto', arch: Optiona
         log(f'source: {src} ({fmt} layout, {len(sd)} tensors)')
         log(f'backbone: {cfg["type"]} ({arch or "inferred"}), {n_params / 1e6:.2f}M params; '
             f'cfg: {kwargs}')
-        log(f'dropped {len(dropped)} source keys (not in the backbone by design): {dropped}')
-        if initialized:
-            log(f'{len(initialized)} backbone keys have no source and keep their initial '
-                f'values (output norms, relative-position indices): {initialized[:12]}'
-                f'{" ..." if len(initialized) > 12 else ""}')
+        buffers = [k for k in dropped if k.endswith(_MODEL_BUFFERS)]
+        log(f'dropped {len(dropped) - len(buffers)} source keys the backbone has no place for: '
+            f'{[k for k in dropped if k not in buffers]}')
+        if buffers:
+            log(f'dropped {len(buffers)} relative_position_index/attn_mask buffers (the model '
+                'computes its own)')
+        fresh = [k for k in initialized if not k.endswith(_MODEL_BUFFERS)]
+        if fresh:
+            log(f'{len(fresh)} backbone keys have no source and keep their initial values '
+                f'(output norms): {fresh[:12]}{" ..." if len(fresh) > 12 else ""}')
         for s in schedule:
             log(f'progressive norms: {s["count"]} with iter={s["iter"]}/{s["total_step"]} '
                 f'(warm={s["warm"]}) -> schedule_offset '

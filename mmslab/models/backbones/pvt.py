@@ -13,18 +13,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from mmcv.cnn import build_activation_layer
 from mmcv.cnn.bricks.drop import DropPath
-from mmengine.logging import MMLogger
 from mmengine.model import BaseModule
 from mmengine.model.weight_init import constant_init, normal_init, trunc_normal_, \
     trunc_normal_init
 from torch import Tensor
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from mmslab.registry import register_model
 from ..layers.affine import FoldableNorm, fold_affine_into_next_conv
 from ..layers.linear_attention import SLA
 from ..layers.norm import build_norm, check_norm_cfg, is_foldable_norm
 from ..layers.patch import PatchEmbed
+from .base import ReparamBackboneMixin, check_bn_stats, freeze_module
 
 PVT_ATTENTION_TYPES = ('softmax', 'sla')
 
@@ -137,7 +136,6 @@ class GlobalSLA(nn.Module):
         self.deploy = deploy
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
-        b = x.shape[0]
         out = self.kernel.attend(self.kernel.qkv(x), 1, tuple(hw_shape)).reshape(x.shape)
         return self.kernel.proj_drop(self.kernel.proj(out))
 
@@ -229,7 +227,7 @@ class AbsolutePositionEmbedding(nn.Module):
 
 
 @register_model()
-class ReparamPVT(BaseModule):
+class ReparamPVT(ReparamBackboneMixin, BaseModule):
     """PVT v1 with pluggable norm (``norm_cfg``) and per-stage attention (``'softmax'``
     spatial-reduction attention or ``'sla'`` global simplified linear attention, sr=1).
 
@@ -265,8 +263,7 @@ class ReparamPVT(BaseModule):
                 len(mlp_ratios) == len(attn_types) == n):
             raise ValueError('num_layers, num_heads, patch_sizes, strides, sr_ratios, '
                              'mlp_ratios and attn_types need one entry per stage')
-        if bn_stats not in ('train', 'frozen'):
-            raise ValueError(f"bn_stats must be one of ('train', 'frozen'), got {bn_stats!r}")
+        check_bn_stats(bn_stats)
         if not all(0 <= i < n for i in out_indices):
             raise ValueError(f'out_indices {out_indices} out of range for {n} stages')
         self.norm_cfg = check_norm_cfg(copy.deepcopy(norm_cfg or dict(type='LN', eps=1e-6)))
@@ -301,21 +298,12 @@ class ReparamPVT(BaseModule):
     def train(self, mode: bool = True):
         super().train(mode)
         for i in range(self.frozen_stages + 1):
-            self.layers[i].eval()
-            for p in self.layers[i].parameters():
-                p.requires_grad = False
-        if mode and self.bn_stats == 'frozen':
-            for m in self.modules():
-                if isinstance(m, _BatchNorm) or type(m).__name__ == 'UN':
-                    m.eval()
+            freeze_module(self.layers[i])
+        self._apply_bn_stats_policy(mode)
         return self
 
     def init_weights(self) -> None:
-        if self.init_cfg is not None and self.init_cfg.get('type') == 'Pretrained':
-            from ..checkpoint_utils import load_pretrained_backbone
-            load_pretrained_backbone(self, self.init_cfg['checkpoint'],
-                                     prefix=self.init_cfg.get('prefix'),
-                                     logger=MMLogger.get_current_instance())
+        if self._load_pretrained():
             return
         for m in self.modules():
             if isinstance(m, nn.Linear):
@@ -339,13 +327,6 @@ class ReparamPVT(BaseModule):
             if i in self.out_indices:
                 outs.append(x)
         return tuple(outs)
-
-    def switch_to_deploy(self) -> None:
-        if self.training:
-            raise RuntimeError('switch_to_deploy() needs eval mode: call model.eval() first')
-        from ..reparam import deploy_children
-        deploy_children(self)
-        self.deploy = True
 
 
 @register_model()

@@ -10,11 +10,9 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as cp
 from mmcv.cnn.bricks.drop import DropPath
-from mmengine.logging import MMLogger
 from mmengine.model import BaseModule
 from mmengine.model.weight_init import constant_init, trunc_normal_init
 from torch import Tensor
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from mmslab.registry import register_model
 from ..layers.affine import FoldableNorm, fold_affine_into_next_linear
@@ -22,9 +20,9 @@ from ..layers.ffn import ChannelIdleFFN, SwinFFN
 from ..layers.norm import build_norm, check_norm_cfg, is_foldable_norm
 from ..layers.patch import PatchEmbed, PatchMerging
 from ..layers.shift_window import ATTENTION_TYPES, ShiftWindowAttention
+from .base import ReparamBackboneMixin, check_bn_stats, freeze_module
 
 FFN_TYPES = ('mlp', 'channel_idle')
-BN_STATS = ('train', 'frozen')
 
 
 class SwinBlock(nn.Module):
@@ -125,7 +123,7 @@ class SwinStage(nn.Module):
 
 
 @register_model()
-class ReparamSwinTransformer(BaseModule):
+class ReparamSwinTransformer(ReparamBackboneMixin, BaseModule):
     """Swin Transformer with pluggable normalization, attention and FFN per stage.
 
     Arguments mean what they mean in mmdet's ``SwinTransformer``; in addition:
@@ -194,8 +192,7 @@ class ReparamSwinTransformer(BaseModule):
         for t in attn_types:
             if t not in ATTENTION_TYPES:
                 raise ValueError(f'unknown attention type {t!r}; valid: {tuple(ATTENTION_TYPES)}')
-        if bn_stats not in BN_STATS:
-            raise ValueError(f'bn_stats must be one of {BN_STATS}, got {bn_stats!r}')
+        check_bn_stats(bn_stats)
         if use_abs_pos_embed:
             raise ValueError('use_abs_pos_embed is not supported (Swin detectors do not use it)')
         if not all(0 <= i < num_stages for i in out_indices):
@@ -250,32 +247,20 @@ class ReparamSwinTransformer(BaseModule):
     def train(self, mode: bool = True):
         super().train(mode)
         self._freeze_stages()
-        if mode and self.bn_stats == 'frozen':
-            for m in self.modules():
-                if isinstance(m, _BatchNorm) or type(m).__name__ == 'UN':
-                    m.eval()
+        self._apply_bn_stats_policy(mode)
         return self
 
     def _freeze_stages(self) -> None:
-        def freeze(m: nn.Module):
-            m.eval()
-            for p in m.parameters():
-                p.requires_grad = False
-
         if self.frozen_stages >= 0:
-            freeze(self.patch_embed)
+            freeze_module(self.patch_embed)
         for i in range(1, self.frozen_stages + 1):
             if (i - 1) in self.out_indices:
-                freeze(getattr(self, f'norm{i - 1}'))
-            freeze(self.stages[i - 1])
+                freeze_module(getattr(self, f'norm{i - 1}'))
+            freeze_module(self.stages[i - 1])
 
     # -- weights --------------------------------------------------------------------------
     def init_weights(self) -> None:
-        if self.init_cfg is not None and self.init_cfg.get('type') == 'Pretrained':
-            from ..checkpoint_utils import load_pretrained_backbone
-            load_pretrained_backbone(self, self.init_cfg['checkpoint'],
-                                     prefix=self.init_cfg.get('prefix'),
-                                     logger=MMLogger.get_current_instance())
+        if self._load_pretrained():
             return
         if self.init_cfg is not None:
             super().init_weights()
@@ -301,14 +286,6 @@ class ReparamSwinTransformer(BaseModule):
                 outs.append(out.view(-1, *out_hw, self.num_features[i]).permute(0, 3, 1, 2)
                             .contiguous())
         return tuple(outs)
-
-    def switch_to_deploy(self) -> None:
-        """Fold every foldable structure (see :func:`mmslab.reparameterize`)."""
-        if self.training:
-            raise RuntimeError('switch_to_deploy() needs eval mode: call model.eval() first')
-        from ..reparam import deploy_children
-        deploy_children(self)
-        self.deploy = True
 
 
 def _preset_defaults(defaults: dict, kwargs: dict) -> dict:

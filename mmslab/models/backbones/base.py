@@ -1,0 +1,52 @@
+"""Behaviour shared by mmslab backbones."""
+import torch.nn as nn
+from mmengine.logging import MMLogger
+from torch.nn.modules.batchnorm import _BatchNorm
+
+BN_STATS = ('train', 'frozen')
+
+
+class ReparamBackboneMixin:
+    """BN-statistics policy, pretrained loading and the deploy switch of mmslab backbones.
+
+    Expects ``self.bn_stats`` and ``self.init_cfg``.
+    """
+
+    def _apply_bn_stats_policy(self, mode: bool) -> None:
+        """With ``bn_stats='frozen'`` keep every BatchNorm-type layer in eval mode."""
+        if mode and self.bn_stats == 'frozen':
+            for m in self.modules():
+                if isinstance(m, _BatchNorm) or type(m).__name__ == 'UN':
+                    m.eval()
+
+    def _load_pretrained(self) -> bool:
+        """Load ``init_cfg=dict(type='Pretrained', checkpoint=..., prefix=...,
+        reset_schedule=False)``; returns whether it did."""
+        if self.init_cfg is None or self.init_cfg.get('type') != 'Pretrained':
+            return False
+        from ..checkpoint_utils import load_pretrained_backbone
+        load_pretrained_backbone(self, self.init_cfg['checkpoint'],
+                                 prefix=self.init_cfg.get('prefix'),
+                                 logger=MMLogger.get_current_instance(),
+                                 reset_schedule=self.init_cfg.get('reset_schedule', False))
+        return True
+
+    def switch_to_deploy(self) -> None:
+        """Fold every foldable structure (see :func:`mmslab.reparameterize`)."""
+        if self.training:
+            raise RuntimeError('switch_to_deploy() needs eval mode: call model.eval() first')
+        from ..reparam import deploy_children
+        deploy_children(self)
+        self.deploy = True
+
+
+def check_bn_stats(bn_stats: str) -> str:
+    if bn_stats not in BN_STATS:
+        raise ValueError(f'bn_stats must be one of {BN_STATS}, got {bn_stats!r}')
+    return bn_stats
+
+
+def freeze_module(m: nn.Module) -> None:
+    m.eval()
+    for p in m.parameters():
+        p.requires_grad = False
