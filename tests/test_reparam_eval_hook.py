@@ -1,5 +1,6 @@
 """ReparamEvalHook inside a real mmengine Runner: fused evaluation, latency, safe checkpoints."""
 import json
+import uuid
 import os.path as osp
 
 import pytest
@@ -40,6 +41,8 @@ def seg_cfg(data_dir, work_dir, hook=None):
 
     return dict(
         default_scope='mmseg', work_dir=str(work_dir), randomness=dict(seed=0),
+        # unique: mmengine keys the default scope by experiment name (second resolution)
+        experiment_name=f'seg_{uuid.uuid4().hex}',
         model=dict(
             type='EncoderDecoder',
             data_preprocessor=dict(type='SegDataPreProcessor', mean=[123.675, 116.28, 103.53],
@@ -141,6 +144,7 @@ def test_detector_test_loop_reports_coco_metrics_and_latency(data_dir, tmp_path)
     from mmslab.datasets.demo_data import COCO_DEMO_CLASSES
     cfg = dict(
         default_scope='mmdet', work_dir=str(tmp_path / 'det'),
+        experiment_name=f'det_{uuid.uuid4().hex}',
         model=dict(
             type='RetinaNet',
             data_preprocessor=dict(type='DetDataPreprocessor', mean=[123.675, 116.28, 103.53],
