@@ -68,23 +68,30 @@ class SLA(WindowKernelBase):
                 pos = F.interpolate(grid.permute(0, 3, 1, 2), size=(wh, ww), mode='bilinear',
                                     align_corners=False).flatten(2).transpose(1, 2)
         dtype = torch.promote_types(qkv.dtype, torch.float32)  # never below fp32
+        h, d = self.num_heads, self.head_dims
         with torch.autocast(device_type=qkv.device.type, enabled=False):
             q = F.relu(q.to(dtype))
-            k = F.relu(k.to(dtype) + pos.to(dtype))
+            k = (k.to(dtype) + pos.to(dtype)).relu_()
             v = v.to(dtype)
             if valid is not None:  # [nW, N]: padded tokens add nothing to the sums or the DWC
                 keep = valid.to(k.dtype).repeat(bw // num_windows, 1).unsqueeze(-1)
                 k = k * keep
                 v = v * keep
-            q, k, v = (_split_heads(t, self.num_heads) for t in (q, k, v))
-            kv = k.transpose(-2, -1) @ v  # [B', h, d, d]
-            z = k.sum(dim=-2, keepdim=True)  # [B', h, 1, d]
-            out = (q @ kv) / ((q * z).sum(-1, keepdim=True) + self.eps)
-            d = self.head_dims
-            v_map = v.reshape(bw * self.num_heads, wh, ww, d).permute(0, 3, 1, 2)
-            dwc = self.dwc(v_map.to(self.dwc.weight.dtype)).to(dtype)
-            out = out + dwc.permute(0, 2, 3, 1).reshape(bw, self.num_heads, n, d)
-        return out.transpose(1, 2).to(qkv.dtype)
+            # The shared per-head DWC is one depth-wise conv over all C channels (weights tiled
+            # over heads), run on a channels-last view of V: no head split, no copy.
+            v_map = v.view(bw, wh, ww, c).permute(0, 3, 1, 2)
+            weight = self.dwc.weight.repeat(h, 1, 1, 1).to(dtype)
+            bias = None if self.dwc.bias is None else self.dwc.bias.repeat(h).to(dtype)
+            dwc = F.conv2d(v_map, weight, bias, padding=self.dwc.padding, groups=c)
+            dwc = dwc.permute(0, 2, 3, 1).reshape(bw, n, h, d)
+            qh, kh, vh = (_split_heads(t, h) for t in (q, k, v))
+            kv = kh.transpose(-2, -1) @ vh  # [B', h, d, d]
+            z = kh.sum(dim=-2).unsqueeze(-1)  # [B', h, d, 1]
+            # Numerator and normalizer from one product: q [S | z].
+            num = qh @ torch.cat([kv, z], dim=-1)  # [B', h, N, d + 1]
+            out = num[..., :d] / (num[..., d:] + self.eps)
+            out = out.transpose(1, 2) + dwc  # [B', N, h, d]
+        return out.to(qkv.dtype)
 
 
 @register_model()

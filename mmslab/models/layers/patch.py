@@ -10,6 +10,21 @@ from .affine import fold_affine_into_next_linear, fold_affine_into_prev
 from .norm import build_norm, is_foldable_norm
 
 
+@torch.no_grad()
+def _fold_norm(module: nn.Module, layer_attr: str, fold) -> None:
+    """Deploy step shared by the patch layers: fold ``module.norm`` (if foldable) into
+    ``module.<layer_attr>`` with ``fold`` and replace the norm by Identity (idempotent)."""
+    if module.deploy:
+        return
+    if hasattr(module.norm, 'fused_affine'):
+        if module.training:
+            raise RuntimeError(f'{type(module).__name__}.switch_to_deploy() needs eval mode')
+        layer = fold(getattr(module, layer_attr), *module.norm.fused_affine())
+        setattr(module, layer_attr, layer)
+        module.norm = nn.Identity()
+    module.deploy = True
+
+
 class PatchEmbed(nn.Module):
     """Conv patch embedding with corner padding and a norm, as mmdet's ``PatchEmbed``.
 
@@ -45,17 +60,8 @@ class PatchEmbed(nn.Module):
         x = x.flatten(2).transpose(1, 2)
         return self.norm(x), hw
 
-    @torch.no_grad()
     def switch_to_deploy(self) -> None:
-        if self.deploy:
-            return
-        if hasattr(self.norm, 'fused_affine'):
-            if self.training:
-                raise RuntimeError('PatchEmbed.switch_to_deploy() needs eval mode')
-            scale, shift = self.norm.fused_affine()
-            self.projection = fold_affine_into_prev(self.projection, scale, shift)
-            self.norm = nn.Identity()
-        self.deploy = True
+        _fold_norm(self, 'projection', fold_affine_into_prev)
 
 
 class PatchMerging(nn.Module):
@@ -90,14 +96,5 @@ class PatchMerging(nn.Module):
         x = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 5, 2, 4).reshape(b, h2 * w2, 4 * c)
         return self.reduction(self.norm(x)), (h2, w2)
 
-    @torch.no_grad()
     def switch_to_deploy(self) -> None:
-        if self.deploy:
-            return
-        if hasattr(self.norm, 'fused_affine'):
-            if self.training:
-                raise RuntimeError('PatchMerging.switch_to_deploy() needs eval mode')
-            scale, shift = self.norm.fused_affine()
-            self.reduction = fold_affine_into_next_linear(self.reduction, scale, shift)
-            self.norm = nn.Identity()
-        self.deploy = True
+        _fold_norm(self, 'reduction', fold_affine_into_next_linear)

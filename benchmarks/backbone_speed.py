@@ -1,0 +1,133 @@
+"""Backbone latency of the mmslab T presets, fused and unfused, against mmdet's own
+LayerNorm Swin-T and PVT-T, interleaved in one run (batch 1).
+
+    python benchmarks/backbone_speed.py [--shapes 512x512 800x1344] [--repeat 5] [--threads 2]
+        [--compile] --out work_dirs/speed
+
+Prints a table of medians and the ratios the project tracks, writes ``backbone_speed.json`` and
+``backbone_speed.png``. Weights are random (latency does not depend on them), every norm has
+non-trivial statistics.
+"""
+import argparse
+import copy
+import json
+import os
+import os.path as osp
+import sys
+
+REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import torch  # noqa: E402
+from mmengine.utils import ProgressBar  # noqa: E402
+
+import mmslab  # noqa: E402
+from mmslab.benchmark import measure_interleaved, parse_shape, summarize  # noqa: E402
+
+# (name, builder) pairs; "fused" variants are derived automatically for mmslab models.
+RATIOS = [  # (numerator, denominator, target or None): ratio = numerator ms / denominator ms
+    ('RePa-Swin-T', 'RePa-Swin-T fused', 1.4),
+    ('mmdet Swin-T', 'RePa-Swin-T fused', 1.6),
+    ('mmdet Swin-T', 'PRepBN-Swin-T fused', 1.25),
+    ('PRepBN-Swin-T', 'PRepBN-Swin-T fused', None),
+    ('mmdet Swin-T', 'SLAB-Swin-T fused', None),
+    ('SLAB-Swin-T', 'SLAB-Swin-T fused', None),
+    ('mmdet PVT-T', 'PRepBN-PVT-T fused', None),
+    ('PRepBN-PVT-T', 'PRepBN-PVT-T fused', None),
+]
+
+
+def build_models():
+    from mmdet.models.backbones import PyramidVisionTransformer, SwinTransformer
+    from mmslab.models import PRepBNPVT, PRepBNSwin, RePaSwin, SLABSwin
+    models = {'mmdet Swin-T': SwinTransformer(), 'mmdet PVT-T': PyramidVisionTransformer(
+        num_layers=[2, 2, 2, 2])}
+    ours = {'PRepBN-Swin-T': PRepBNSwin(), 'SLAB-Swin-T': SLABSwin(),
+            'RePa-Swin-T': RePaSwin(), 'PRepBN-PVT-T': PRepBNPVT(arch='tiny')}
+    g = torch.Generator().manual_seed(0)
+    for name, m in ours.items():
+        m.eval()
+        with torch.no_grad():  # realistic, non-identity statistics
+            for mod in m.modules():
+                if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
+                    mod.running_var.uniform_(0.5, 2.0, generator=g)
+                    mod.running_mean.normal_(0, 0.5, generator=g)
+        models[name] = m
+        models[name + ' fused'] = mmslab.reparameterize(copy.deepcopy(m))
+    for m in models.values():
+        m.eval()
+    return models
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--shapes', nargs='+', default=['512x512', '800x1344'])
+    p.add_argument('--repeat', type=int, default=5)
+    p.add_argument('--warmup', type=int, default=1)
+    p.add_argument('--threads', type=int, default=2)
+    p.add_argument('--compile', action='store_true',
+                   help='add torch.compile of the fused RePa/PRepBN Swin-T (separate rows)')
+    p.add_argument('--out', default='work_dirs/speed')
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    os.makedirs(args.out, exist_ok=True)
+    models = build_models()
+    if args.compile:
+        for name in ('RePa-Swin-T fused', 'PRepBN-Swin-T fused'):
+            models[name + ' +compile'] = torch.compile(models[name])
+    shapes = [parse_shape(s) for s in args.shapes]
+    bar = ProgressBar(len(shapes) * len(models) * args.repeat)
+    results = {}
+    for shape in shapes:
+        x = torch.randn(1, 3, *shape)
+        fns = {name: (lambda m=m: m(x)) for name, m in models.items()}
+        times = measure_interleaved(fns, args.repeat, args.warmup, bar.update)
+        results['x'.join(map(str, shape))] = {k: summarize(v) for k, v in times.items()}
+    print()
+    ratios = []
+    for shape, res in results.items():
+        print(f'\n{shape} (batch 1, {args.threads} threads, median of {args.repeat})')
+        for name, r in res.items():
+            print(f"  {name:28s} {r['median_ms']:9.1f} ms")
+        for num, den, target in RATIOS:
+            if num in res and den in res:
+                value = res[num]['median_ms'] / res[den]['median_ms']
+                ratios.append(dict(shape=shape, numerator=num, denominator=den, ratio=value,
+                                   target=target))
+                mark = '' if target is None else (' (target >= %.2f: %s)' % (
+                    target, 'met' if value >= target else 'NOT met'))
+                print(f'  {num} / {den}: {value:.2f}x{mark}')
+    report = dict(threads=args.threads, repeat=args.repeat, torch=torch.__version__,
+                  results=results, ratios=ratios)
+    with open(osp.join(args.out, 'backbone_speed.json'), 'w') as f:
+        json.dump(report, f, indent=2)
+    plot(results, osp.join(args.out, 'backbone_speed.png'))
+    print(f"\nwrote {osp.join(args.out, 'backbone_speed.json')} and backbone_speed.png")
+    return report
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    shapes = list(results)
+    names = list(results[shapes[0]])
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(shapes)
+    for i, shape in enumerate(shapes):
+        ax.barh([j + i * width for j in range(len(names))],
+                [results[shape][n]['median_ms'] for n in names], height=width, label=shape)
+    ax.set_yticks([j + width * (len(shapes) - 1) / 2 for j in range(len(names))])
+    ax.set_yticklabels(names)
+    ax.invert_yaxis()
+    ax.set_xlabel('median backbone latency (ms), batch 1')
+    ax.legend()
+    ax.grid(axis='x', alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == '__main__':
+    main()
