@@ -124,6 +124,9 @@ def fold_output_affines_into_neck(model: nn.Module) -> List[int]:
         conv_module.conv = new
         setattr(parent, attr, nn.Identity())
         folded.append(pos)
+    if folded:
+        # Its outputs now lack the folded affines: equivalence checks must not compare them.
+        backbone.output_changed_by_fusion = True
     if folded and hasattr(backbone, 'folded_out_norms'):
         backbone.folded_out_norms = tuple(sorted(set(backbone.folded_out_norms) | {
             backbone.out_indices[p] for p in folded}))

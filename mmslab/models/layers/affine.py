@@ -159,7 +159,7 @@ def fold_affine_into_prev(layer: nn.Module, scale: Tensor, shift: Tensor) -> nn.
         bias = bias + s * layer.bias.double()
     new.bias.copy_(bias)
     # Its output now includes the next affine: equivalence checks must not compare it.
-    new.absorbed_next_affine = True
+    new.output_changed_by_fusion = True
     return new
 
 

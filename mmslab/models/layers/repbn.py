@@ -73,7 +73,8 @@ class PRepBN(FoldableNorm):
 
     def __init__(self, num_features: int, step: int = 60000, r0: float = 1.0, warmup: int = 0,
                  eps: float = 1e-5, bn_eps: float = 1e-5, bn_momentum: float = 0.1,
-                 data_format: str = 'channels_last', deploy: bool = False):
+                 alpha_init: float = 1.0, data_format: str = 'channels_last',
+                 deploy: bool = False):
         if int(step) <= 0:
             raise ValueError(f'PRepBN step must be a positive number of iterations, got {step}')
         if int(warmup) < 0:
@@ -87,7 +88,7 @@ class PRepBN(FoldableNorm):
             return
         self.norm1 = nn.LayerNorm(num_features, eps=eps)
         self.norm2 = RepBN(num_features, eps=bn_eps, momentum=bn_momentum,
-                           data_format='channels_last')
+                           alpha_init=alpha_init, data_format='channels_last')
         # Training iteration of the current run, set by set_iter().
         self.register_buffer('cur_iter', torch.tensor(0, dtype=torch.long))
         # Fraction of the LN -> RepBN decay already done before this run (e.g. in ImageNet
