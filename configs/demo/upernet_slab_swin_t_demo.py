@@ -18,8 +18,12 @@ model = dict(
     backbone=dict(
         init_cfg=None,  # from scratch: no checkpoint
         bn_stats='train',  # statistics must be learned from scratch
-        norm_cfg=dict(type='PRepBN', step=120),  # 0.8 x max_iters
-        window_size=(32, 16, 8, 8)),  # tiles 256-pixel inputs exactly (maps 64/32/16/8)
+        # As in the detection demo: LN warm-up, LN -> RepBN over the middle of the run, RepBN
+        # alpha from 0 so the switch to pure RepBN does not make the loss jump.
+        norm_cfg=dict(type='PRepBN', step=80, warmup=40, alpha_init=0.0),
+        drop_path_rate=0.1,
+        # Windows in proportion to the inputs (see the detection demo).
+        window_size=(16, 8, 8, 8)),
     # Narrower heads than UperNet's 512/256 channels: at 512 channels the head's 3x3 convs on
     # the stride-4 map cost most of a CPU iteration.
     decode_head=dict(channels=128, num_classes=num_classes),

@@ -55,10 +55,12 @@ class PatchEmbed(nn.Module):
         pad_w = max((-(-w // s) - 1) * s + k - w, 0)
         if self.adaptive_padding and (pad_h or pad_w):
             x = F.pad(x, (0, pad_w, 0, pad_h))
-        x = self.projection(x)
-        hw = (x.shape[2], x.shape[3])
-        x = x.flatten(2).transpose(1, 2)
-        return self.norm(x), hw
+        # Channels-last conv output makes the [B, H*W, C] tokens a contiguous view: every
+        # later Linear and residual add then runs on contiguous memory.
+        x = self.projection(x.contiguous(memory_format=torch.channels_last))
+        b, c, h, w = x.shape
+        x = x.permute(0, 2, 3, 1).reshape(b, h * w, c)
+        return self.norm(x), (h, w)
 
     def switch_to_deploy(self) -> None:
         _fold_norm(self, 'projection', fold_affine_into_prev)
