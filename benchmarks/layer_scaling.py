@@ -55,7 +55,7 @@ def attention_scaling(tokens, repeat, max_softmax_s, bar):
         sla.window_size = (side, side)
         fns = {'SLA': lambda: sla.attend(qkv, 1, (side, side)),
                'BiNorm': lambda: binorm.attend(qkv, 1, (side, side))}
-        est = 2.0e-9 * n * n * c  # rough softmax cost: 2 N^2 C flops at ~1 GFLOP/s per core
+        est = 2.0 * n * n * c / 5e10  # softmax: 2 N^2 C flops at ~50 GFLOP/s (fused kernel)
         if est <= max_softmax_s:
             fns['softmax'] = lambda: F.scaled_dot_product_attention(q, k, v)
         with torch.inference_mode():
