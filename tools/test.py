@@ -12,7 +12,6 @@ logged as usual and, on the main process, printed as one JSON line starting with
 import argparse
 import copy
 import json
-import os
 import os.path as osp
 import sys
 import warnings
@@ -31,7 +30,8 @@ from mmengine.runner import Runner  # noqa: E402
 import mmslab  # noqa: E402,F401  (registers mmslab's components)
 import mmslab.engine  # noqa: E402,F401  (weights-only checkpoint loading for mmengine)
 from mmslab.utils import DataNotFoundError, check_data_root  # noqa: E402
-from mmslab.utils.launch import resolve_scope, setup_cpu_distributed  # noqa: E402
+from mmslab.utils.launch import (add_launcher_args, export_local_rank,  # noqa: E402
+                                 resolve_scope, setup_cpu_distributed)
 
 METRICS_PREFIX = 'mmslab-test-metrics: '
 
@@ -50,18 +50,15 @@ def parse_args(argv=None):
                         help='the interval of show (s)')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config settings, e.g. test_dataloader.batch_size=2')
-    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
-                        default='none', help='job launcher')
     parser.add_argument('--tta', action='store_true', help='test-time augmentation (flip)')
     parser.add_argument('--reparam', action=argparse.BooleanOptionalAction, default=None,
                         help='evaluate the fused (re-parameterized) model through '
                         'ReparamEvalHook (default: as the config says; mmslab configs fuse)')
     parser.add_argument('--latency', action='store_true',
                         help='measure per-image latency (fused and unfused) into latency.json')
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    add_launcher_args(parser)
     args = parser.parse_args(argv)
-    if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    export_local_rank(args)
     return args
 
 

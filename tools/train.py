@@ -9,7 +9,6 @@ path resumes from the latest checkpoint in the work directory. Multi-process tra
 """
 import argparse
 import logging
-import os
 import os.path as osp
 import sys
 
@@ -26,7 +25,8 @@ from mmengine.runner import Runner  # noqa: E402
 import mmslab  # noqa: E402,F401  (registers mmslab's components)
 import mmslab.engine  # noqa: E402,F401  (weights-only checkpoint loading for mmengine)
 from mmslab.utils import DataNotFoundError, check_data_root  # noqa: E402
-from mmslab.utils.launch import resolve_scope, setup_cpu_distributed  # noqa: E402
+from mmslab.utils.launch import (add_launcher_args, export_local_rank,  # noqa: E402
+                                 resolve_scope, setup_cpu_distributed)
 
 
 
@@ -46,13 +46,9 @@ def parse_args(argv=None):
                         help='override config settings, e.g. train_cfg.max_iters=10 '
                         'key="[a,b]" or key=a,b; nested lists/tuples need quotes: '
                         'key="[(a,b),(c,d)]"')
-    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
-                        default='none', help='job launcher')
-    # torch.distributed.launch passes --local-rank (torch >= 2.0) or --local_rank.
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    add_launcher_args(parser)
     args = parser.parse_args(argv)
-    if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    export_local_rank(args)
     return args
 
 

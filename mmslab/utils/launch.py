@@ -1,5 +1,6 @@
 """Shared set-up of mmslab's command-line tools (scope, CPU distributed runs, models)."""
 import datetime
+import os
 import os.path as osp
 
 import torch
@@ -18,6 +19,19 @@ def resolve_scope(cfg: Config, config_path: str) -> str:
                          f"default_scope = 'mmdet' (detection) or 'mmseg' (segmentation).")
     init_default_scope(scope)
     return scope
+
+
+def add_launcher_args(parser) -> None:
+    """``--launcher`` and ``--local_rank``/``--local-rank`` (torch.distributed.launch passes
+    either spelling); call :func:`export_local_rank` after parsing."""
+    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
+                        default='none', help='job launcher')
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+
+
+def export_local_rank(args) -> None:
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
 
 
 def setup_cpu_distributed(cfg: Config, launcher: str) -> bool:
