@@ -31,7 +31,8 @@ import mmslab  # noqa: E402,F401  (registers mmslab's components)
 import mmslab.engine  # noqa: E402,F401  (weights-only checkpoint loading for mmengine)
 from mmslab.utils import DataNotFoundError, check_data_root  # noqa: E402
 from mmslab.utils.launch import (add_launcher_args, export_local_rank,  # noqa: E402
-                                 resolve_scope, setup_cpu_distributed)
+                                 resolve_scope, setup_cpu_distributed,
+                                 teardown_cpu_distributed)
 
 METRICS_PREFIX = 'mmslab-test-metrics: '
 
@@ -192,8 +193,7 @@ def main(argv=None):
     metrics = runner.test()
     if is_main_process():
         print(METRICS_PREFIX + json.dumps(dict(metrics or {}), default=_jsonable), flush=True)
-    if own_group:
-        torch.distributed.destroy_process_group()
+    teardown_cpu_distributed(own_group)
     return metrics
 
 

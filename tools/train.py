@@ -16,7 +16,6 @@ REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-import torch  # noqa: E402
 from mmengine.config import Config, DictAction  # noqa: E402
 from mmengine.logging import print_log  # noqa: E402
 from mmengine.registry import RUNNERS  # noqa: E402
@@ -26,7 +25,8 @@ import mmslab  # noqa: E402,F401  (registers mmslab's components)
 import mmslab.engine  # noqa: E402,F401  (weights-only checkpoint loading for mmengine)
 from mmslab.utils import DataNotFoundError, check_data_root  # noqa: E402
 from mmslab.utils.launch import (add_launcher_args, export_local_rank,  # noqa: E402
-                                 resolve_scope, setup_cpu_distributed)
+                                 resolve_scope, setup_cpu_distributed,
+                                 teardown_cpu_distributed)
 
 
 
@@ -116,8 +116,7 @@ def main(argv=None):
     else:
         runner = RUNNERS.build(cfg)
     runner.train()
-    if own_group:
-        torch.distributed.destroy_process_group()
+    teardown_cpu_distributed(own_group)
 
 
 if __name__ == '__main__':

@@ -59,6 +59,15 @@ def setup_cpu_distributed(cfg: Config, launcher: str) -> bool:
     return True
 
 
+def teardown_cpu_distributed(own_group: bool) -> None:
+    """Destroy the process group :func:`setup_cpu_distributed` created, after a barrier so
+    no rank tears gloo down while another still uses it (that aborted a rank at exit)."""
+    import torch.distributed as dist
+    if own_group and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def build_model_from_config(config: str, cfg_options=None, pretrained: bool = False):
     """``(cfg, model)`` built in the config's scope, without loading pretrained weights
     unless ``pretrained`` (inference tools load their own checkpoint)."""

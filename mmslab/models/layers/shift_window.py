@@ -29,9 +29,9 @@ def window_partition(x: Tensor, wh: int, ww: int) -> Tensor:
 class ShiftWindowAttention(nn.Module):
     """Window attention with optional cyclic shift, as mmdet's ``ShiftWindowMSA``.
 
-    ``qkv`` runs on the unpadded tokens (it is pointwise) and padded positions get the value a
-    zero token would have after ``qkv`` (mmdet pads the normalized tokens with zeros); ``proj``
-    runs after cropping. Kernels with ``masks_padding`` exclude padded tokens instead.
+    ``qkv`` is pointwise, so it runs on the gathered window slots and padded slots get the
+    value a zero token would have after ``qkv`` (mmdet pads the normalized tokens with zeros);
+    ``proj`` runs after cropping. Kernels with ``masks_padding`` exclude padded tokens instead.
     Pad + roll + partition is a single cached-index gather, and so is its inverse; shift and
     padding masks are constants cached per input size.
 
@@ -119,12 +119,13 @@ class ShiftWindowAttention(nn.Module):
             raise ValueError(f'input has {n} tokens but hw_shape {hw_shape} has {h * w}')
         kernel = self.w_msa
         lay = self._layout(h, w, x.device)
-        qkv = kernel.qkv(x)  # [B, HW, 3C]
         nw, wh, ww = lay['num_windows'], lay['wh'], lay['ww']
         if lay['identity']:
-            windows = qkv
+            windows = kernel.qkv(x)
         else:
-            windows = qkv.index_select(1, lay['gather'])  # [B, nW*N, 3C]
+            # Gather the C-channel tokens (a third of the data of qkv), then qkv per slot;
+            # padded slots are overwritten with the value a padded token has after qkv.
+            windows = kernel.qkv(x.index_select(1, lay['gather']))  # [B, nW*N, 3C]
             if lay['pad_slots'].numel():
                 pad = kernel.pad_value()
                 windows[:, lay['pad_slots']] = 0.0 if pad is None else pad.to(windows.dtype)
