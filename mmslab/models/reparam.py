@@ -111,17 +111,15 @@ def fold_output_affines_into_neck(model: nn.Module) -> List[int]:
             continue
         parent, attr = slots[pos]
         scale, shift = getattr(parent, attr).fused_affine()
-        new = fold_affine_into_next_conv(conv, scale, shift)
+        folded_conv = fold_affine_into_next_conv(conv, scale, shift)
         if conv.bias is None:
-            # Keep the structure (no new bias): W t + b is a constant the BatchNorm after the
-            # conv absorbs exactly in eval mode by shifting its running mean.
+            # Keep the structure (no new bias): W t is a constant the BatchNorm after the conv
+            # absorbs exactly in eval mode by shifting its running mean.
             with torch.no_grad():
-                norm.running_mean.sub_(new.bias.to(norm.running_mean))
-            plain = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size,
-                              stride=conv.stride, bias=False).to(conv.weight)
-            plain.weight.data.copy_(new.weight)
-            new = plain
-        conv_module.conv = new
+                norm.running_mean.sub_(folded_conv.bias.to(norm.running_mean))
+                conv.weight.copy_(folded_conv.weight)
+        else:
+            conv_module.conv = folded_conv
         setattr(parent, attr, nn.Identity())
         folded.append(pos)
     if folded:

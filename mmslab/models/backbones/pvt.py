@@ -19,23 +19,14 @@ from mmengine.model.weight_init import constant_init, normal_init, trunc_normal_
 from torch import Tensor
 
 from mmslab.registry import register_model
-from ..layers.affine import FoldableNorm, fold_affine_into_next_conv
+from ..layers.affine import (FoldableNorm, fold_affine_into_next_conv,
+                             fold_affine_into_next_linear, fold_affine_into_weight)
 from ..layers.linear_attention import SLA
 from ..layers.norm import build_norm, check_norm_cfg, is_foldable_norm
 from ..layers.patch import PatchEmbed
 from .base import ReparamBackboneMixin, check_bn_stats, freeze_module
 
 PVT_ATTENTION_TYPES = ('softmax', 'sla')
-
-
-def _fold_into_linear_rows(weight: Tensor, bias: Optional[Tensor], scale: Tensor,
-                           shift: Tensor) -> Tuple[Tensor, Tensor]:
-    """``W (s x + t) + b`` -> ``(W diag(s), W t + b)`` for a raw weight/bias pair."""
-    w = weight.double()
-    new_b = w @ shift.double()
-    if bias is not None:
-        new_b = new_b + bias.double()
-    return (w * scale.double()[None]).to(weight), new_b.to(weight)
 
 
 class MHAProjections(nn.Module):
@@ -95,7 +86,7 @@ class SpatialReductionAttention(nn.Module):
         c = self.embed_dims
         w, b = self.attn.in_proj_weight, self.attn.in_proj_bias
         rows = slice(0, c) if self.sr_ratio > 1 else slice(0, 3 * c)
-        new_w, new_b = _fold_into_linear_rows(w[rows], None if b is None else b[rows], scale,
+        new_w, new_b = fold_affine_into_weight(w[rows], None if b is None else b[rows], scale,
                                               shift)
         self._set_rows(rows, new_w, new_b)
         if self.sr_ratio > 1:
@@ -115,7 +106,7 @@ class SpatialReductionAttention(nn.Module):
         if self.sr_ratio > 1 and isinstance(self.norm, FoldableNorm):
             c = self.embed_dims
             w, b = self.attn.in_proj_weight, self.attn.in_proj_bias
-            new_w, new_b = _fold_into_linear_rows(w[c:], None if b is None else b[c:],
+            new_w, new_b = fold_affine_into_weight(w[c:], None if b is None else b[c:],
                                                   *self.norm.fused_affine())
             self._set_rows(slice(c, 3 * c), new_w, new_b)
             self.norm = nn.Identity()
@@ -140,7 +131,6 @@ class GlobalSLA(nn.Module):
         return self.kernel.proj_drop(self.kernel.proj(out))
 
     def absorb_input_affine(self, scale: Tensor, shift: Tensor) -> None:
-        from ..layers.affine import fold_affine_into_next_linear
         self.kernel.qkv = fold_affine_into_next_linear(self.kernel.qkv, scale, shift)
 
 

@@ -1,5 +1,5 @@
-from .affine import (ChannelAffine, FoldableNorm, fold_affine_into_next_conv,
-                     fold_affine_into_next_linear, fold_affine_into_prev)
+from .affine import (FoldableNorm, fold_affine_into_next_conv, fold_affine_into_next_linear,
+                     fold_affine_into_prev, fold_affine_into_weight)
 from .ffn import ChannelIdleFFN, SwinFFN
 from .linear_attention import SLA, BiNormAttention
 from .norm import NORM_TYPES, build_norm, is_foldable_norm
@@ -11,7 +11,7 @@ from .unified_norm import UN
 from .window_attention import WindowMSA
 
 __all__ = [
-    'ChannelAffine', 'FoldableNorm', 'fold_affine_into_next_conv',
+    'FoldableNorm', 'fold_affine_into_next_conv', 'fold_affine_into_weight',
     'fold_affine_into_next_linear', 'fold_affine_into_prev', 'ChannelIdleFFN', 'SwinFFN', 'SLA',
     'BiNormAttention', 'NORM_TYPES', 'build_norm', 'is_foldable_norm', 'PatchEmbed',
     'PatchMerging', 'PRepBN', 'RepBN', 'ATTENTION_TYPES', 'ShiftWindowAttention', 'TokenBN',

@@ -4,7 +4,7 @@ Every normalization in mmslab is, at inference, a per-channel affine ``y = x * s
 The helpers here move such an affine into the Linear/Conv before or after it, so the deployed
 model has no normalization left.
 """
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -24,35 +24,6 @@ def _broadcast(v: Tensor, x: Tensor, data_format: str) -> Tensor:
     if data_format == 'channels_last':
         return v
     return v.view(-1, *([1] * (x.dim() - 2)))
-
-
-class ChannelAffine(nn.Module):
-    """``y = x * weight + bias`` per channel; the deploy form of every mmslab normalization.
-
-    Args:
-        num_features: number of channels C.
-        data_format: ``'channels_last'`` for ``[..., C]`` tokens, ``'channels_first'`` for
-            ``[B, C, *spatial]`` maps.
-    """
-
-    def __init__(self, num_features: int, data_format: str = 'channels_last'):
-        super().__init__()
-        self.num_features = num_features
-        self.data_format = check_data_format(data_format)
-        self.weight = nn.Parameter(torch.ones(num_features))
-        self.bias = nn.Parameter(torch.zeros(num_features))
-
-    def fused_affine(self) -> Tuple[Tensor, Tensor]:
-        return self.weight.detach(), self.bias.detach()
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.data_format == 'channels_last':
-            return torch.addcmul(self.bias, x, self.weight)
-        return torch.addcmul(_broadcast(self.bias, x, self.data_format), x,
-                             _broadcast(self.weight, x, self.data_format))
-
-    def extra_repr(self) -> str:
-        return f'{self.num_features}, data_format={self.data_format}'
 
 
 class FoldableNorm(nn.Module):
@@ -119,17 +90,25 @@ class FoldableNorm(nn.Module):
 
 
 @torch.no_grad()
-def fold_affine_into_next_linear(linear: nn.Linear, scale: Tensor, shift: Tensor) -> nn.Linear:
-    """Fold ``x -> x * scale + shift`` into the Linear that consumes it.
+def fold_affine_into_weight(weight: Tensor, bias: Optional[Tensor], scale: Tensor,
+                            shift: Tensor) -> Tuple[Tensor, Tensor]:
+    """``W (s*x + t) + b = (W diag(s)) x + (W t + b)`` for a raw ``[out, in]`` weight.
 
-    ``W (s*x + t) + b = (W diag(s)) x + (W t + b)``. Returns a Linear with a bias.
+    Computed in float64, returned in the weight's dtype; ``bias`` may be None.
     """
-    weight = linear.weight.double()
+    w = weight.double()
+    new_bias = w @ shift.double()
+    if bias is not None:
+        new_bias = new_bias + bias.double()
+    return (w * scale.double()[None, :]).to(weight), new_bias.to(weight)
+
+
+@torch.no_grad()
+def fold_affine_into_next_linear(linear: nn.Linear, scale: Tensor, shift: Tensor) -> nn.Linear:
+    """Fold ``x -> x * scale + shift`` into the Linear that consumes it (gains a bias)."""
     new = nn.Linear(linear.in_features, linear.out_features, bias=True).to(linear.weight)
-    new.weight.copy_(weight * scale.double()[None, :])
-    bias = weight @ shift.double()
-    if linear.bias is not None:
-        bias = bias + linear.bias.double()
+    weight, bias = fold_affine_into_weight(linear.weight, linear.bias, scale, shift)
+    new.weight.copy_(weight)
     new.bias.copy_(bias)
     return new
 
