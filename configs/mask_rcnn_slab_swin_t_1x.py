@@ -6,6 +6,9 @@ _base_ = [
 ]
 # PRepBN decays LN -> RepBN over 0.8 x this schedule (prepbn_step, see the schedule file).
 model = dict(
-    backbone=dict(**_base_.backbone, norm_cfg=dict(type='PRepBN', step=_base_.prepbn_step)),
+    # Output norms (new in dense prediction): start as pure BN (alpha 0) and keep training
+    # their statistics (the backbone's out_bn_stats='train'), so they normalize throughout.
+    backbone=dict(**_base_.backbone, norm_cfg=dict(type='PRepBN', step=_base_.prepbn_step),
+                  out_norm_cfg=dict(type='PRepBN', step=_base_.prepbn_step, alpha_init=0.0)),
     neck=dict(in_channels=_base_.backbone_widths))
 custom_hooks = [*_base_.custom_hooks, *_base_.backbone_hooks]

@@ -165,8 +165,16 @@ def test_frozen_stages_and_bn_stats_policy():
     assert not any(p.requires_grad for p in model.norm0.parameters())
     assert all(p.requires_grad for p in model.stages[1].parameters())
     assert not model.stages[0].training and model.stages[1].training
-    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
-    assert bns and not any(m.training for m in bns)
+    # bn_stats='frozen' freezes the body's statistics; the output norms (new in detection)
+    # keep training theirs (out_bn_stats='train'), except norm0, frozen with its stage
+    body = [m for n, m in model.named_modules() if isinstance(m, nn.BatchNorm1d)
+            and not n.startswith('norm')]
+    outs = {n.split('.')[0]: m for n, m in model.named_modules()
+            if isinstance(m, nn.BatchNorm1d) and n.startswith('norm')}
+    assert body and not any(m.training for m in body)
+    assert not outs['norm0'].training
+    assert all(outs[f'norm{i}'].training for i in (1, 2, 3))
+    bns = body
     before = bns[-1].running_mean.clone()
     set_progressive_iter(model, 10)
     model(torch.randn(2, 3, 64, 64))

@@ -26,6 +26,7 @@ from mmengine.utils import ProgressBar  # noqa: E402
 
 import mmslab  # noqa: E402,F401
 from mmslab.utils.launch import build_model_from_config  # noqa: E402
+from mmslab.utils.machine import machine_info, machine_line  # noqa: E402
 from mmslab.benchmark import (fused_copy, make_runners, measure_interleaved,  # noqa: E402
                               parse_shape, summarize)
 
@@ -40,6 +41,10 @@ def parse_args(argv=None):
     p.add_argument('--warmup', type=int, default=2, help='untimed calls per variant and shape')
     p.add_argument('--threads', type=int, default=None, help='torch threads (default: as is)')
     p.add_argument('--baseline', nargs='*', default=[], help='baseline configs, timed as is')
+    p.add_argument('--baseline-backbone', nargs='*', default=[], choices=sorted(BASELINES),
+                   help="the config's own model with its backbone replaced by mmdet's / "
+                   "mmseg's (LayerNorm) backbone of that name, same neck and heads, random "
+                   "weights")
     p.add_argument('--parts', nargs='+', default=['backbone', 'model'],
                    choices=['backbone', 'model'])
     p.add_argument('--compile', action='store_true',
@@ -52,8 +57,25 @@ def parse_args(argv=None):
     return args
 
 
-def build_model(config: str, checkpoint=None, cfg_options=None):
-    _, model = build_model_from_config(config, cfg_options)
+# LayerNorm baselines from the OpenMMLab libraries themselves (widths match mmslab's T/S).
+BASELINES = {
+    'swin_t': dict(type='SwinTransformer', embed_dims=96, depths=[2, 2, 6, 2],
+                   num_heads=[3, 6, 12, 24], window_size=7, drop_path_rate=0.0),
+    'pvt_t': dict(type='PyramidVisionTransformer', num_layers=[2, 2, 2, 2]),
+}
+
+
+def baseline_backbone(config: str, name: str) -> dict:
+    """``BASELINES[name]`` with the config's ``out_indices``."""
+    from mmengine.config import Config
+    cfg = Config.fromfile(config)
+    if cfg.get('default_scope') == 'mmseg' and name == 'pvt_t':
+        raise SystemExit('error: mmseg has no PVT v1 backbone; use swin_t')
+    return dict(BASELINES[name], out_indices=tuple(cfg.model.backbone.out_indices))
+
+
+def build_model(config: str, checkpoint=None, cfg_options=None, backbone=None):
+    _, model = build_model_from_config(config, cfg_options, backbone=backbone)
     if checkpoint:
         from mmengine.runner import load_checkpoint
         load_checkpoint(model, checkpoint, map_location='cpu', strict=True)
@@ -73,6 +95,9 @@ def main(argv=None):
     variants = {f'{name} (unfused)': model, f'{name} (fused)': fused_copy(model)}
     for base in args.baseline:
         variants[osp.splitext(osp.basename(base))[0]] = build_model(base)
+    for base in args.baseline_backbone:
+        variants[f'{name} with {base} backbone (LN)'] = build_model(
+            args.config, None, args.cfg_options, backbone=baseline_backbone(args.config, base))
     compiled = None
     if args.compile:
         compiled = torch.compile(variants[f'{name} (fused)'].backbone)
@@ -91,7 +116,8 @@ def main(argv=None):
                 results.append(dict(variant=k, part=part, shape=list(shape), **summarize(ms),
                                     times_ms=ms))
     print()
-    report = dict(config=args.config, checkpoint=args.checkpoint, threads=torch.get_num_threads(),
+    report = dict(config=args.config, checkpoint=args.checkpoint, machine=machine_info(),
+                  threads=torch.get_num_threads(),
                   repeat=args.repeat, warmup=args.warmup, torch=torch.__version__,
                   results=results, ratios=ratios(results, name))
     print_table(report, name)
@@ -126,8 +152,8 @@ def print_table(report, name):
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     for row in rows:
         print('  '.join(c.ljust(w) for c, w in zip(row, widths)))
-    print(f"({report['threads']} threads, median of {report['repeat']} interleaved runs; "
-          "'x fused' = variant latency / fused latency)")
+    print(f"({machine_line(report['machine'])}, median of {report['repeat']} interleaved "
+          "runs; 'x fused' = variant latency / fused latency)")
 
 
 def plot(report, path):
@@ -145,7 +171,7 @@ def plot(report, path):
                         [r['median_ms'] for r in rs], marker='o', label=variant)
         ax.set_xlabel('input size (megapixels)')
         ax.set_ylabel('median latency per image (ms)')
-        ax.set_title(f'{part} latency, batch 1, {report["threads"]} threads')
+        ax.set_title(f'{part} latency, batch 1\n{machine_line(report["machine"])}', fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

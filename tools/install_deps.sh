@@ -43,9 +43,6 @@ if [ ! -x "$VPY" ]; then
 fi
 PIP=("$VPY" -m pip install --disable-pip-version-check)
 
-step "installing build tools (setuptools<70: mmcv's setup.py imports pkg_resources)"
-"${PIP[@]}" -q "setuptools<70" wheel
-
 if ! "$VPY" -c "import torch, torchvision" 2>/dev/null; then
     step "installing torch 2.14.1 and torchvision 0.29.1"
     "${PIP[@]}" -q torch==2.14.1 torchvision==0.29.1
@@ -54,17 +51,11 @@ fi
 if ! "$VPY" -c "import mmcv.ops" 2>/dev/null; then
     MMCV_WHEEL="$(ls "$WHEELS"/mmcv-2.1.0-*.whl 2>/dev/null | head -n1 || true)"
     if [ -z "$MMCV_WHEEL" ]; then
-        step "building mmcv 2.1.0 with compiled CPU ops (about 17 minutes)"
+        step "building mmcv 2.1.0 with compiled CPU ops (about 10-17 minutes)"
         BUILD="$(mktemp -d)"
-        "${PIP[@]}" -q ninja opencv-python-headless addict yapf packaging pyyaml
-        "$VPY" -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
-            -d "$BUILD" mmcv==2.1.0
-        tar -xzf "$BUILD"/mmcv-2.1.0.tar.gz -C "$BUILD"
-        # torch >= 2.13 headers need C++20; mmcv 2.1.0 hard-codes c++17.
-        sed -i 's/-std=c++17/-std=c++20/g' "$BUILD"/mmcv-2.1.0/setup.py
-        # No build isolation: an isolated build has no torch and silently skips the ops.
-        (cd "$BUILD"/mmcv-2.1.0 && MMCV_WITH_OPS=1 MAX_JOBS="${MAX_JOBS:-2}" \
-            "$VPY" -m pip wheel -q --no-build-isolation --no-deps -w "$BUILD/dist" .)
+        "${PIP[@]}" -q ninja wheel opencv-python-headless addict yapf packaging pyyaml
+        bash "$REPO/tools/mmcv_recipe.sh" prepare "$VPY" "$BUILD"
+        bash "$REPO/tools/mmcv_recipe.sh" build "$VPY" "$BUILD"
         cp "$BUILD"/dist/mmcv-2.1.0-*.whl "$WHEELS"/
         MMCV_WHEEL="$(ls "$WHEELS"/mmcv-2.1.0-*.whl | head -n1)"
         rm -rf "$BUILD"
@@ -79,6 +70,9 @@ step "installing mmengine, mmdet, mmseg and the rest"
 
 step "installing mmslab (editable) and checking the pins of setup.cfg"
 "${PIP[@]}" -q -e "$REPO"
+
+step "checking dependency consistency (pip check)"
+"$VPY" -m pip check
 
 step "checking the compiled ops"
 "$VPY" - <<'PYEOF'

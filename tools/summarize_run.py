@@ -51,23 +51,59 @@ def main(argv=None):
         if unfused.get('count'):
             print(f"latency per image  unfused: median {unfused['median_ms']:.1f} ms "
                   f"-> speed-up {latency.get('speedup_median', float('nan')):.2f}x")
+    full = None
+    full_path = osp.join(args.work_dir, 'full_size_speed', 'benchmark.json')
+    if osp.exists(full_path):
+        with open(full_path) as f:
+            full = json.load(f)
+        summary['full_size_latency'] = full_size_rows(full)
+        for row in summary['full_size_latency']:
+            line = (f"{row['part']:8s} {row['shape']}: fused {row['fused_ms']:.0f} ms, "
+                    f"unfused {row['unfused_ms']:.0f} ms ({row['unfused_ms'] / row['fused_ms']:.2f}x)")
+            if row.get('baseline_ms'):
+                line += (f", LayerNorm Swin-T {row['baseline_ms']:.0f} ms "
+                         f"({row['baseline_ms'] / row['fused_ms']:.2f}x)")
+            print(f'full size  {line}')
+        print(f"           ({full['machine']['cpu']}, {full['threads']} threads, median of "
+              f"{full['repeat']} interleaved runs, trained weights; the baseline has random "
+              'weights)')
+    pred_png = osp.join(args.work_dir, 'predictions', 'predictions.png')
+    if osp.exists(pred_png):
+        summary['predictions'] = pred_png
     if args.elapsed:
         print(f'wall time          {args.elapsed / 60:.1f} min')
     png = osp.join(args.work_dir, 'summary.png')
-    plot(train, evals, latency, png)
+    plot(train, evals, latency, png, summary.get('full_size_latency'))
     with open(osp.join(args.work_dir, 'summary.json'), 'w') as f:
         json.dump(summary, f, indent=2)
     print(f"logs, checkpoints: {osp.abspath(args.work_dir)}\nlatency:  {lat_path}\n"
           f"plot:     {png}\nsummary:  {osp.join(args.work_dir, 'summary.json')}")
+    if 'predictions' in summary:
+        print(f"predictions of the fused model: {summary['predictions']}")
     print('=' * 72)
     return summary
 
 
-def plot(train, evals, latency, path):
+def full_size_rows(report):
+    """Per part and shape: fused, unfused and LayerNorm-baseline medians of tools/benchmark.py."""
+    rows = {}
+    for r in report['results']:
+        key = (r['part'], 'x'.join(map(str, r['shape'])))
+        row = rows.setdefault(key, dict(part=key[0], shape=key[1]))
+        if r['variant'].endswith('(fused)'):
+            row['fused_ms'] = r['median_ms']
+        elif r['variant'].endswith('(unfused)'):
+            row['unfused_ms'] = r['median_ms']
+        elif 'backbone (LN)' in r['variant']:
+            row['baseline_ms'] = r['median_ms']
+    return [r for r in rows.values() if 'fused_ms' in r and 'unfused_ms' in r]
+
+
+def plot(train, evals, latency, path, full_size=None):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3 if full_size else 2, figsize=(16 if full_size else 11, 4))
     if train:
         axes[0].plot([r['iter'] for r in train], [r['loss'] for r in train], label='loss')
         axes[0].set_xlabel('iteration')
@@ -81,7 +117,20 @@ def plot(train, evals, latency, path):
             values.append(latency['unfused']['median_ms'])
         axes[1].bar(names, values, color=['tab:green', 'tab:gray'][:len(values)])
         axes[1].set_ylabel('median ms per image')
-        axes[1].set_title('inference latency (same images)')
+        axes[1].set_title('inference latency, demo images')
+    if full_size:
+        import numpy as np
+        labels = [f"{r['part']}\n{r['shape']}" for r in full_size]
+        series = [('fused', 'fused_ms', 'tab:green'), ('unfused', 'unfused_ms', 'tab:gray'),
+                  ('LayerNorm Swin-T', 'baseline_ms', 'tab:blue')]
+        x = np.arange(len(full_size))
+        for k, (name, key, color) in enumerate(series):
+            values = [r.get(key, 0.0) for r in full_size]
+            axes[2].bar(x + (k - 1) * 0.27, values, 0.27, label=name, color=color)
+        axes[2].set_xticks(x, labels)
+        axes[2].set_ylabel('median ms per image')
+        axes[2].set_title('latency at the full test size')
+        axes[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -30,6 +30,8 @@ model = dict(
         # BN: from scratch, BN(x) + x lets the un-normalized residual stream leak into every
         # branch, and the loss jumped 3x when the LayerNorm share reached 0.
         norm_cfg=dict(type='PRepBN', step=110, warmup=50, alpha_init=0.0),
+        # the output norms follow the same short schedule
+        out_norm_cfg=dict(type='PRepBN', step=110, warmup=50, alpha_init=0.0),
         # Short training: less stochastic depth than the 1x config's 0.2.
         drop_path_rate=0.1,
         # Windows in proportion to the inputs: the authors' 56/28 windows cover about 1/3.6

@@ -21,6 +21,8 @@ model = dict(
         # As in the detection demo: LN warm-up, LN -> RepBN over the middle of the run, RepBN
         # alpha from 0 so the switch to pure RepBN does not make the loss jump.
         norm_cfg=dict(type='PRepBN', step=80, warmup=40, alpha_init=0.0),
+        # the output norms follow the same short schedule
+        out_norm_cfg=dict(type='PRepBN', step=80, warmup=40, alpha_init=0.0),
         drop_path_rate=0.1,
         # Windows in proportion to the inputs (see the detection demo).
         window_size=(16, 8, 8, 8)),

@@ -68,9 +68,11 @@ def teardown_cpu_distributed(own_group: bool) -> None:
         dist.destroy_process_group()
 
 
-def build_model_from_config(config: str, cfg_options=None, pretrained: bool = False):
+def build_model_from_config(config: str, cfg_options=None, pretrained: bool = False,
+                            backbone: dict = None):
     """``(cfg, model)`` built in the config's scope, without loading pretrained weights
-    unless ``pretrained`` (inference tools load their own checkpoint)."""
+    unless ``pretrained`` (inference tools load their own checkpoint). ``backbone`` replaces
+    the config's backbone as a whole (e.g. by a baseline of another type)."""
     cfg = Config.fromfile(config)
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
@@ -80,6 +82,8 @@ def build_model_from_config(config: str, cfg_options=None, pretrained: bool = Fa
     else:
         from mmseg.registry import MODELS
     model_cfg = cfg.model.copy()
+    if backbone is not None:
+        model_cfg.backbone = dict(backbone)
     if not pretrained:
         model_cfg.backbone = dict(model_cfg.backbone, init_cfg=None)
         model_cfg.backbone.pop('pretrained', None)

@@ -34,6 +34,7 @@ optim_wrapper = dict(
 
 auto_scale_lr = dict(enable=False, base_batch_size=16)
 
-# PRepBN decay length: 0.8 x 160k = 128k iterations (see schedule_1x.py for why 0.8), so the
-# last 32k iterations train the pure RepBN model that is fused for inference.
+# PRepBN decay length: 0.8 x 160k = 128k iterations (see schedule_1x.py for why 0.8 and for
+# which norms it drives: with a converted release only the new output norms decay; loaded
+# norms stay at g = 0), so the last 32k iterations train the pure RepBN model that is fused.
 prepbn_step = 128000

@@ -38,12 +38,17 @@ optim_wrapper = dict(
 # it linearly to the actual total batch.
 auto_scale_lr = dict(enable=False, base_batch_size=16)
 
-# PRepBN decay length T (iterations over which the LayerNorm share g goes linearly 1 -> 0) for
-# this schedule. 12 epochs of COCO train2017 (117,266 images left after dropping those without
-# annotations; 118,287 in all) at 16 images per iteration = 12 x 7,330 = 87,960 iterations
-# (88.7k with all images). T = 70,000 is about 0.8 of that: g reaches 0 shortly before the
-# second lr drop, so the last ~18k iterations train the pure RepBN model that is fused for
-# inference. The authors used T = 300k for detection with a longer schedule; users of their
-# code report NaN losses when T is far shorter than training, and ~0.8 x the total worked
-# (REFERENCE.md section 1). Rescale T with the schedule if you change epochs or batch size.
+# PRepBN decay length T (iterations over which the LayerNorm share g goes linearly 1 -> 0).
+# What it drives: the authors' ImageNet releases finish their own LN -> RepBN decay, so every
+# norm loaded from a converted release starts fine-tuning at g = 0 (pure RepBN) and stays
+# there (`reset_schedule=True` in the backbone's init_cfg restarts them instead). T therefore
+# only drives the norms that are new in detection -- the backbone's output norms norm0..norm3
+# -- and every norm of a backbone trained without a progressive-norm checkpoint. The training
+# log shows `prepbn_ratio_min` / `prepbn_ratio_max` over all PRepBN layers.
+# Value: 12 epochs of COCO train2017 (117,266 images left after dropping those without
+# annotations) at 16 images per iteration = 12 x 7,330 = 87,960 iterations. T = 70,000 is
+# about 0.8 of that: g reaches 0 shortly before the second lr drop, so the last ~18k
+# iterations train the pure RepBN model that is fused for inference. Users of the SLAB
+# authors' code report NaN losses when T is far shorter than training; about 0.8 x worked.
+# Rescale T with the schedule if you change epochs or batch size.
 prepbn_step = 70000

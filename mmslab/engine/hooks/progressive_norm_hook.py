@@ -1,5 +1,5 @@
 """Drives iteration-based normalization schedules (PRepBN's LN -> RepBN decay, UN's steps)."""
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch.nn as nn
 from mmengine.hooks import Hook
@@ -23,14 +23,17 @@ def set_progressive_iter(model: nn.Module, cur_iter: int) -> int:
     return count
 
 
-def progressive_ratio(model: nn.Module) -> Optional[float]:
-    """The LayerNorm weight ``g`` of the first PRepBN in ``model`` (None if there is none)."""
+def progressive_ratio(model: nn.Module) -> Optional[Tuple[float, float]]:
+    """``(min, max)`` of the LayerNorm weight ``g`` over every PRepBN in ``model`` (None if
+    there is none). Loaded norms of a converted release sit at 0 while norms that are new
+    in detection (the output norms) run their own schedule, so one layer does not tell."""
+    from mmslab.models.layers.repbn import PRepBN
     if is_model_wrapper(model):
         model = model.module
-    for m in model.modules():
-        if type(m).__name__ == 'PRepBN' and not m.deploy:
-            return m.ratio
-    return None
+    ratios = [m.ratio for m in model.modules() if isinstance(m, PRepBN) and not m.deploy]
+    if not ratios:
+        return None
+    return min(ratios), max(ratios)
 
 
 @register_hook()
@@ -39,8 +42,8 @@ class ProgressiveNormHook(Hook):
 
     The schedule is a function of ``runner.iter`` (so gradient accumulation or extra forward
     passes do not move it) and the iteration is also stored in each layer's buffers, so a
-    resumed run continues the schedule exactly. The current ``g`` is logged as
-    ``prepbn_ratio``.
+    resumed run continues the schedule exactly. The smallest and largest ``g`` over all
+    PRepBN layers are logged as ``prepbn_ratio_min`` / ``prepbn_ratio_max``.
 
     Args:
         log_ratio: log ``g`` with the training scalars.
@@ -61,4 +64,5 @@ class ProgressiveNormHook(Hook):
         if self.log_ratio:
             g = progressive_ratio(runner.model)
             if g is not None:
-                runner.message_hub.update_scalar('train/prepbn_ratio', g)
+                runner.message_hub.update_scalar('train/prepbn_ratio_min', g[0])
+                runner.message_hub.update_scalar('train/prepbn_ratio_max', g[1])

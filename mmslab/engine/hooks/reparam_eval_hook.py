@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from mmengine.dist import is_main_process
+from mmengine.dist import all_gather_object, get_world_size, is_main_process
 from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
 
@@ -246,11 +246,21 @@ class ReparamEvalHook(Hook):
 
     def _report(self, runner) -> None:
         active = self._active
-        fused = _summary(active['fused_ms'])
+        # Each rank timed its own share of the images: gather them so the figures (and the
+        # JSON rank 0 writes) cover the whole evaluation set.
+        world_size = get_world_size()
+        per_rank = all_gather_object(dict(fused=active['fused_ms'], unfused=active['unfused_ms'],
+                                          max_diff=active['max_diff']))
+        fused_ms = [t for r in per_rank for t in r['fused']]
+        unfused_ms = [t for r in per_rank for t in r['unfused']]
+        diffs = [r['max_diff'] for r in per_rank if r['max_diff'] is not None]
+        fused = _summary(fused_ms)
         result = dict(mode=active['mode'], reparameterized=self.reparam,
                       device=str(next(active['inner'].parameters()).device),
                       threads=torch.get_num_threads(), warmup_batches=self.warmup,
-                      fused=fused, max_relative_difference=active['max_diff'])
+                      world_size=world_size, images=len(fused_ms),
+                      images_per_rank=[len(r['fused']) for r in per_rank],
+                      fused=fused, max_relative_difference=max(diffs) if diffs else None)
         if active['batches'] <= self.warmup:
             runner.logger.warning(
                 f'ReparamEvalHook: warmup={self.warmup} batches but only {active["batches"]} '
@@ -258,7 +268,7 @@ class ReparamEvalHook(Hook):
         if fused['count'] == 0 and active['batches']:
             result['fused'] = dict(count=0, note='all batches were warm-up')
         if self.compare_unfused and self.reparam:
-            unfused = _summary(active['unfused_ms'])
+            unfused = _summary(unfused_ms)
             result['unfused'] = unfused
             if unfused.get('count') and fused.get('count'):
                 result['speedup_median'] = unfused['median_ms'] / fused['median_ms']
@@ -267,7 +277,8 @@ class ReparamEvalHook(Hook):
                  f"median {fused.get('median_ms', float('nan')):.1f} ms, "
                  f"mean {fused.get('mean_ms', float('nan')):.1f} ms, "
                  f"p90 {fused.get('p90_ms', float('nan')):.1f} ms, "
-                 f"{fused.get('images_per_s', float('nan')):.2f} img/s over {fused['count']} images"]
+                 f"{fused.get('images_per_s', float('nan')):.2f} img/s over {fused['count']} images"
+                 + (f' of {world_size} ranks' if world_size > 1 else '')]
         if 'unfused' in result:
             lines.append(f"unfused: median {result['unfused'].get('median_ms', float('nan')):.1f}"
                          f" ms; speedup {result.get('speedup_median', float('nan')):.2f}x")

@@ -13,11 +13,31 @@ class ReparamBackboneMixin:
     """
 
     def _apply_bn_stats_policy(self, mode: bool) -> None:
-        """With ``bn_stats='frozen'`` keep every BatchNorm-type layer in eval mode."""
-        if mode and self.bn_stats == 'frozen':
-            for m in self.modules():
-                if isinstance(m, _BatchNorm) or type(m).__name__ == 'UN':
+        """Keep BatchNorm-type layers in eval mode where the statistics policy freezes them:
+        the body's with ``bn_stats='frozen'``, the output norms' with
+        ``out_bn_stats='frozen'`` (``None``: as the body)."""
+        if not mode:
+            return
+        from ..layers.unified_norm import UN
+        out_norms = set(self._output_norms())
+        out_policy = getattr(self, 'out_bn_stats', None) or self.bn_stats
+
+        def freeze_stats(module: nn.Module) -> None:
+            for m in module.modules():
+                if isinstance(m, (_BatchNorm, UN)):
                     m.eval()
+
+        if out_policy == 'frozen':
+            for m in out_norms:
+                freeze_stats(m)
+        if self.bn_stats == 'frozen':
+            for name, child in self.named_children():
+                if child not in out_norms:
+                    freeze_stats(child)
+
+    def _output_norms(self):
+        """The norms applied to the returned feature maps only (none by default)."""
+        return []
 
     def _load_pretrained(self) -> bool:
         """Load ``init_cfg=dict(type='Pretrained', checkpoint=..., prefix=...,

@@ -117,13 +117,15 @@ class GlobalSLA(nn.Module):
     """SLA over the whole feature map (no spatial reduction), for SLAB-PVT stages.
 
     The positional encoding is learned for the pre-training grid and bilinearly resized to
-    the input's grid. Shape: ``[B, H*W, C]`` -> ``[B, H*W, C]``.
+    the input's grid whenever the two differ (smaller or larger, like PVT's absolute position
+    embedding). Shape: ``[B, H*W, C]`` -> ``[B, H*W, C]``.
     """
 
     def __init__(self, embed_dims: int, num_heads: int, grid: Tuple[int, int],
                  qkv_bias: bool = True, proj_drop: float = 0.0, deploy: bool = False):
         super().__init__()
-        self.kernel = SLA(embed_dims, num_heads, grid, qkv_bias=qkv_bias, proj_drop=proj_drop)
+        self.kernel = SLA(embed_dims, num_heads, grid, qkv_bias=qkv_bias, proj_drop=proj_drop,
+                          resize_pos=True)
         self.deploy = deploy
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
@@ -241,10 +243,15 @@ class ReparamPVT(ReparamBackboneMixin, BaseModule):
         if arch not in self.arch_zoo:
             raise ValueError(f'unknown arch {arch!r}; valid: {tuple(self.arch_zoo)}')
         if pretrained is not None:
+            if init_cfg is not None:
+                raise ValueError('init_cfg and pretrained cannot be set at the same time')
             init_cfg = dict(type='Pretrained', checkpoint=pretrained)
         super().__init__(init_cfg=init_cfg)
         num_layers = tuple(num_layers or self.arch_zoo[arch])
         n = len(num_layers)
+        if not -1 <= frozen_stages < n:
+            raise ValueError(f'frozen_stages must be in [-1, {n - 1}] for {n} stages (-1: none), '
+                             f'got {frozen_stages}')
         attn_types = (attn_types, ) * n if isinstance(attn_types, str) else tuple(attn_types)
         for t in attn_types:
             if t not in PVT_ATTENTION_TYPES:
@@ -330,10 +337,10 @@ class PRepBNPVT(ReparamPVT):
 
 @register_model()
 class SLABPVT(ReparamPVT):
-    """SLAB-PVT: PRepBN everywhere, global SLA (no spatial reduction) in stages 1-3 and
-    spatial-reduction softmax attention in stage 4 (the Flatten-PVT layout)."""
+    """SLAB-PVT: PRepBN everywhere and global SLA (no spatial reduction) in all four stages,
+    as in the SLAB authors' released SLAB-PVT models (their ``ATTN_TYPE: LLLL``)."""
 
     def __init__(self, **kwargs):
         kwargs.setdefault('norm_cfg', dict(type='PRepBN', step=300000))
-        kwargs.setdefault('attn_types', ('sla', 'sla', 'sla', 'softmax'))
+        kwargs.setdefault('attn_types', ('sla', ) * 4)
         super().__init__(**kwargs)

@@ -140,8 +140,15 @@ class ReparamSwinTransformer(ReparamBackboneMixin, BaseModule):
         idle_ratio: fraction of idle hidden channels of the channel-idle FFN.
         bn_stats: ``'train'`` updates BatchNorm running statistics while training;
             ``'frozen'`` keeps every BatchNorm-type layer (BN, RepBN's BN, channel-idle FFN BN,
-            UN) in eval mode, as the SLAB authors did when fine-tuning detectors with small
-            per-GPU batches; their affine weights and ``alpha`` still train.
+            UN) of the body in eval mode, as the SLAB authors did when fine-tuning detectors
+            with small per-GPU batches; their affine weights and ``alpha`` still train.
+        out_bn_stats: the same for the output norms ``norm{i}``; ``None`` follows
+            ``bn_stats``. Default ``'train'``: the output norms are new in detection and
+            segmentation (classification checkpoints have none), so their statistics start at
+            mean 0 / variance 1; frozen there, a BN-based output norm would never normalize
+            and, once its LayerNorm share has decayed, would hand the neck raw stage outputs.
+            Their statistics come from every token of the batch (thousands per image), so small
+            per-GPU batches estimate them well; at deployment they fold like any other.
         deploy: build the fused structure (see :func:`mmslab.reparameterize`).
         folded_out_norms: (deploy only) output indices whose norm was folded into the
             detector's neck; written into deploy configs by ``tools/reparameterize.py``.
@@ -165,6 +172,7 @@ class ReparamSwinTransformer(ReparamBackboneMixin, BaseModule):
                  act_cfg: Optional[dict] = None, norm_cfg: Optional[dict] = None,
                  out_norm_cfg: Optional[dict] = None, attn_types=('window', ) * 4,
                  ffn_type: str = 'mlp', idle_ratio: float = 0.75, bn_stats: str = 'train',
+                 out_bn_stats: Optional[str] = 'train',
                  with_cp: bool = False, pretrained=None, convert_weights: bool = False,
                  frozen_stages: int = -1, deploy: bool = False, folded_out_norms=(),
                  init_cfg=None):
@@ -204,8 +212,13 @@ class ReparamSwinTransformer(ReparamBackboneMixin, BaseModule):
             num_heads
         self.window_sizes, self.attn_types = window_sizes, attn_types
         self.out_indices = tuple(out_indices)
+        if not -1 <= frozen_stages <= num_stages:
+            raise ValueError(f'frozen_stages must be in [-1, {num_stages}] for {num_stages} '
+                             f'stages (-1: none, 0: patch embedding, i: also stages 1..i), '
+                             f'got {frozen_stages}')
         self.frozen_stages = frozen_stages
         self.bn_stats = bn_stats
+        self.out_bn_stats = None if out_bn_stats is None else check_bn_stats(out_bn_stats)
         self.convert_weights = convert_weights
         self.pretrain_img_size = pretrain_img_size
         self.deploy = deploy
@@ -257,6 +270,9 @@ class ReparamSwinTransformer(ReparamBackboneMixin, BaseModule):
             if (i - 1) in self.out_indices:
                 freeze_module(getattr(self, f'norm{i - 1}'))
             freeze_module(self.stages[i - 1])
+
+    def _output_norms(self):
+        return [getattr(self, f'norm{i}') for i in self.out_indices]
 
     # -- weights --------------------------------------------------------------------------
     def init_weights(self) -> None:

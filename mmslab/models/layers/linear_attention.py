@@ -32,6 +32,12 @@ class SLA(WindowKernelBase):
     shift mask. Computed in float32 even under autocast (the kernel sums are large).
     When a feature map fits inside one window the window shrinks to the map (the positional
     encoding is cropped), which is exact because padding is masked.
+
+    Args:
+        resize_pos: for global attention over a whole feature map (SLAB-PVT): the positional
+            encoding is learned on the pre-training grid and bilinearly resized to any other
+            grid, smaller or larger. Default (windows): crop for smaller windows, resize only
+            when the window is larger than the learned one.
     """
 
     uses_shift_mask = False
@@ -39,10 +45,12 @@ class SLA(WindowKernelBase):
     eps = 1e-6
 
     def __init__(self, embed_dims: int, num_heads: int, window_size, qkv_bias: bool = True,
-                 kernel_size: int = 5, proj_drop: float = 0.0, deploy: bool = False, **kwargs):
+                 kernel_size: int = 5, proj_drop: float = 0.0, resize_pos: bool = False,
+                 deploy: bool = False, **kwargs):
         _reject_unused(kwargs, 'SLA')
         super().__init__(embed_dims, num_heads, window_size, qkv_bias, proj_drop)
         self.deploy = deploy
+        self.resize_pos = resize_pos
         self.dwc = nn.Conv2d(self.head_dims, self.head_dims, kernel_size,
                              padding=kernel_size // 2, groups=self.head_dims)
         wh, ww = self.window_size
@@ -61,10 +69,11 @@ class SLA(WindowKernelBase):
         pos = self.positional_encoding
         if (wh, ww) != self.window_size:
             grid = pos.view(1, *self.window_size, c)
-            if wh <= self.window_size[0] and ww <= self.window_size[1]:
+            if (not self.resize_pos and wh <= self.window_size[0]
+                    and ww <= self.window_size[1]):
                 # A window cropped to a smaller feature map: positions keep their encoding.
                 pos = grid[:, :wh, :ww].reshape(1, wh * ww, c)
-            else:  # global attention on a larger map (PVT): resize the learned encoding
+            else:  # global attention (PVT) or a larger window: resize the learned encoding
                 pos = F.interpolate(grid.permute(0, 3, 1, 2), size=(wh, ww), mode='bilinear',
                                     align_corners=False).flatten(2).transpose(1, 2)
         dtype = torch.promote_types(qkv.dtype, torch.float32)  # never below fp32

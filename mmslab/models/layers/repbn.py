@@ -1,8 +1,9 @@
 """RepBN and progressive PRepBN (SLAB, ICML 2024)."""
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 from mmslab.registry import register_model
@@ -38,7 +39,9 @@ class RepBN(FoldableNorm):
             self.bn = nn.BatchNorm1d(num_features, eps=eps, momentum=momentum)
             self.alpha = nn.Parameter(torch.tensor(float(alpha_init)))
 
-    def forward_train(self, x: Tensor) -> Tensor:
+    def forward_train(self, x: Tensor, alpha_offset: Optional[Tensor] = None) -> Tensor:
+        """``alpha_offset`` (a zero scalar) lets :class:`PRepBN` route the idle LayerNorm's
+        parameters into the graph at no cost (see ``PRepBN.forward_train``)."""
         if x.shape[-1 if self.data_format == 'channels_last' else 1] != self.num_features:
             raise ValueError(f'RepBN({self.num_features}, {self.data_format}) got input of shape '
                              f'{tuple(x.shape)}')
@@ -46,7 +49,8 @@ class RepBN(FoldableNorm):
             y = self.bn(x.reshape(-1, self.num_features)).view_as(x)
         else:
             y = self.bn(x.flatten(2)).view_as(x)
-        return y + self.alpha * x
+        alpha = self.alpha if alpha_offset is None else self.alpha + alpha_offset
+        return y + alpha * x
 
     def _fused_affine(self) -> Tuple[Tensor, Tensor]:
         scale, shift = bn_affine(self.bn)
@@ -70,6 +74,9 @@ class PRepBN(FoldableNorm):
     """
 
     _stat_attrs = ('norm1', 'norm2', 'cur_iter', 'schedule_offset')
+    #: Keep the idle branch's parameters in the autograd graph at g = 1 / g = 0 (for DDP).
+    #: None: only when a process group with more than one process is running.
+    keep_idle_in_graph: Optional[bool] = None
 
     def __init__(self, num_features: int, step: int = 60000, r0: float = 1.0, warmup: int = 0,
                  eps: float = 1e-5, bn_eps: float = 1e-5, bn_momentum: float = 0.1,
@@ -136,10 +143,29 @@ class PRepBN(FoldableNorm):
                     "custom_hooks=[dict(type='ProgressiveNormHook')] to the config, or call "
                     'mmslab.set_progressive_iter(model, it) before each training iteration.')
             g = self.ratio
+            # At g = 1 (warm-up) or g = 0 (finished) one branch has weight 0 and is not
+            # computed. DDP (find_unused_parameters=False) aborts when a parameter gets no
+            # gradient, so under a multi-process group the idle branch's parameters enter the
+            # graph through a zero scalar added to one O(C) parameter of the active branch:
+            # no pass over the tokens, and no find_unused_parameters graph walk. The idle
+            # branch gets a zero gradient, what the authors' always-both-branches form gives
+            # it (with the configs' zero weight decay on norms and alpha, a zero gradient
+            # moves nothing). A single process skips the ~6 tiny ops per norm.
+            keep = self.keep_idle_in_graph
+            if keep is None:
+                keep = _multi_process()
             if g >= 1.0:
-                y = self.norm1(x)  # warm-up: pure LayerNorm, BN statistics untouched
+                # warm-up: pure LayerNorm, BN statistics untouched
+                ln, anchor = self.norm1, _zero_anchor(self.norm2) if keep else None
+                if anchor is None or ln.weight is None:
+                    y = ln(x) if anchor is None else ln(x) + anchor
+                else:
+                    y = F.layer_norm(x, ln.normalized_shape, ln.weight + anchor, ln.bias,
+                                     ln.eps)
             elif g <= 0.0:
-                y = self.norm2(x)  # schedule finished: skip the LayerNorm branch
+                # schedule finished: skip the LayerNorm branch
+                y = self.norm2.forward_train(
+                    x, alpha_offset=_zero_anchor(self.norm1) if keep else None)
             else:
                 y = g * self.norm1(x) + (1.0 - g) * self.norm2(x)
         return y.movedim(-1, 1) if channels_first else y
@@ -149,3 +175,17 @@ class PRepBN(FoldableNorm):
 
     def extra_repr(self) -> str:
         return f'{self.num_features}, step={self.step}, r0={self.r0}, warmup={self.warmup}'
+
+
+def _zero_anchor(module: nn.Module) -> Optional[Tensor]:
+    """A scalar zero that depends on every trainable parameter of ``module`` (None if it has
+    none), so those parameters receive a (zero) gradient without their module running."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        return None
+    return torch.stack([p.sum() for p in params]).sum() * 0.0
+
+
+def _multi_process() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

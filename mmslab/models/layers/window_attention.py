@@ -1,13 +1,20 @@
-"""Window multi-head self-attention with relative position bias (Swin), on fused SDPA.
+"""Window multi-head self-attention with relative position bias (Swin).
+
+At inference the softmax attention runs on PyTorch's fused SDPA or on batched matmul +
+softmax, whichever a one-time measurement finds faster for the shape on this CPU.
 
 Parameter names follow mmdet's ``WindowMSA`` (``qkv``, ``proj``,
 ``relative_position_bias_table``, ``relative_position_index``) so mmdet Swin weights load.
 """
+import logging
+import os
+import time
 from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from mmengine.logging import print_log
 from mmengine.model.weight_init import trunc_normal_
 from torch import Tensor
 
@@ -155,7 +162,79 @@ class WindowMSA(WindowKernelBase):
             raise ValueError(f'WindowMSA with window {self.window_size} got windows {window_hw}')
         q, k, v = qkv.view(bw, n, 3, self.num_heads, self.head_dims).permute(2, 0, 3, 1, 4)
         mask = self._attn_mask(shift_mask, bw, num_windows, q.dtype, cache_key)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.0,
-            scale=self.scale)
+        if self.training and self.attn_drop > 0:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                 dropout_p=self.attn_drop, scale=self.scale)
+        else:
+            impl = choose_window_softmax(q, k, v, mask, self.scale)
+            out = WINDOW_SOFTMAX_IMPLS[impl](q, k, v, mask, self.scale)
         return out.transpose(1, 2)  # [B', N, heads, d] view; the caller gathers it
+
+
+def _softmax_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """PyTorch's fused attention (flash kernel on CPU with a materialized 4-D mask)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _softmax_matmul(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Batched matmul + softmax, as mmdet's ``WindowMSA`` computes it (plain ONNX ops)."""
+    attn = torch.baddbmm(mask.flatten(0, 1), (q * scale).flatten(0, 1),
+                         k.flatten(0, 1).transpose(-2, -1))
+    return (attn.softmax(dim=-1) @ v.flatten(0, 1)).view_as(q)
+
+
+#: The two ways of computing window softmax attention; which is faster depends on the CPU
+#: (on one machine SDPA's flash kernel won 3x, on an AVX-512 EPYC matmul + softmax won).
+WINDOW_SOFTMAX_IMPLS = {'sdpa': _softmax_sdpa, 'matmul': _softmax_matmul}
+_CHOICES = {}
+
+
+def window_softmax_choices() -> dict:
+    """The implementation chosen per attention shape so far, for benchmark reports:
+    ``{'B*nW x heads x N x d': {'impl': ..., 'sdpa_ms': ..., 'matmul_ms': ...}}``."""
+    return {'x'.join(map(str, k[:4])): dict(v) for k, v in _CHOICES.items()}
+
+
+def choose_window_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> str:
+    """Pick the faster implementation for this shape by timing both once on these inputs.
+
+    The choice is cached per (windows, heads, tokens, head dims, dtype, device, grad). The
+    environment variable ``MMSLAB_WINDOW_SOFTMAX=sdpa|matmul`` forces one. While exporting
+    (ONNX, tracing) or with gradients (training), no timing: export uses ``matmul`` (plain
+    ops every runtime fuses its own way), training uses ``sdpa`` (its backward is fused).
+    """
+    forced = os.environ.get('MMSLAB_WINDOW_SOFTMAX', 'auto')
+    if forced != 'auto':
+        if forced not in WINDOW_SOFTMAX_IMPLS:
+            raise ValueError(f'MMSLAB_WINDOW_SOFTMAX={forced!r}; valid: auto, '
+                             f'{", ".join(WINDOW_SOFTMAX_IMPLS)}')
+        return forced
+    if torch.onnx.is_in_onnx_export() or torch.jit.is_tracing() or \
+            torch.compiler.is_compiling():
+        return 'matmul'
+    if torch.is_grad_enabled() and q.requires_grad:
+        return 'sdpa'
+    key = (*q.shape, q.dtype, q.device.type)
+    choice = _CHOICES.get(key)
+    if choice is None:
+        choice = _time_implementations(q, k, v, mask, scale)
+        _CHOICES[key] = choice
+        print_log(f'window softmax attention {tuple(q.shape)}: sdpa {choice["sdpa_ms"]:.2f} ms, '
+                  f'matmul {choice["matmul_ms"]:.2f} ms -> {choice["impl"]}', logger='current',
+                  level=logging.DEBUG)
+    return choice['impl']
+
+
+def _time_implementations(q, k, v, mask, scale, repeat: int = 3) -> dict:
+    # Interleaved, best of `repeat`: machine noise hits both alike and is filtered out.
+    times = {name: float('inf') for name in WINDOW_SOFTMAX_IMPLS}
+    with torch.no_grad():
+        for fn in WINDOW_SOFTMAX_IMPLS.values():
+            fn(q, k, v, mask, scale)  # warm-up (allocations, kernel selection)
+        for _ in range(repeat):
+            for name, fn in WINDOW_SOFTMAX_IMPLS.items():
+                t0 = time.perf_counter()
+                fn(q, k, v, mask, scale)
+                times[name] = min(times[name], (time.perf_counter() - t0) * 1000.0)
+    impl = min(times, key=times.get)
+    return dict(impl=impl, sdpa_ms=times['sdpa'], matmul_ms=times['matmul'])

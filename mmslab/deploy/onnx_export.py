@@ -1,0 +1,103 @@
+"""Export the fused backbone / features / segmentor logits to ONNX and check it in a runtime.
+
+Parts:
+
+* ``backbone``: image ``[1, 3, H, W]`` -> the backbone's NCHW maps.
+* ``features``: detectors, backbone + neck (what ``extract_feat`` returns). The heads stay in
+  PyTorch: Mask R-CNN and RetinaNet post-processing (NMS, RoIAlign on a data-dependent number
+  of boxes, mask pasting) needs mmdeploy-style custom operators, which mmdeploy provides
+  only for its own backbones; running backbone + neck in the runtime is where the backbone
+  speed-up lives.
+* ``model``: segmentors, the whole network up to the decode head's logits (at 1/4 of the
+  input; resizing to the image and argmax stay in the caller).
+"""
+import os.path as osp
+from typing import List, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+PARTS = ('backbone', 'features', 'model')
+
+
+class ExportWrapper(nn.Module):
+    """``forward(image) -> tuple of tensors`` for one part of an mmdet / mmseg model."""
+
+    def __init__(self, model: nn.Module, part: str):
+        super().__init__()
+        if part not in PARTS:
+            raise ValueError(f'unknown part {part!r}; valid: {PARTS}')
+        is_segmentor = hasattr(model, 'decode_head')
+        is_detector = hasattr(model, 'extract_feat') and not is_segmentor
+        if part == 'features' and not is_detector:
+            raise ValueError("part 'features' (backbone + neck) is for detectors; use "
+                             "'backbone' or 'model' for a segmentor")
+        if part == 'model' and not is_segmentor:
+            raise ValueError(
+                "part 'model' is for segmentors. A detector's post-processing (NMS, RoIAlign "
+                "over a data-dependent number of boxes) has no ONNX form without custom "
+                "operators: export 'features' and run the heads in PyTorch")
+        self.model = model  # a detector / segmentor, or a bare backbone for 'backbone'
+        self.part = part
+
+    def forward(self, image: Tensor) -> Tuple[Tensor, ...]:
+        m = self.model
+        if self.part == 'backbone':
+            outs = (m.backbone if hasattr(m, 'backbone') else m)(image)
+        elif self.part == 'features':
+            outs = m.extract_feat(image)
+        else:
+            outs = m._forward(image)
+        return tuple(outs) if isinstance(outs, (list, tuple)) else (outs, )
+
+
+def output_names(n: int) -> List[str]:
+    return [f'out{i}' for i in range(n)]
+
+
+def export_onnx(model: nn.Module, part: str, shape: Tuple[int, int], path: str,
+                dynamic: bool = False, opset: int = 18) -> List[str]:
+    """Write ``part`` of the (already fused, eval-mode) ``model`` to ``path``; returns the
+    output names. ``dynamic``: height and width are free (multiples of 32)."""
+    wrapper = ExportWrapper(model, part).eval()
+    dummy = torch.randn(1, 3, *shape)
+    with torch.no_grad():
+        n_out = len(wrapper(dummy))
+    names = output_names(n_out)
+    axes = None
+    if dynamic:
+        axes = {'image': {2: 'height', 3: 'width'}}
+        axes.update({n: {2: f'{n}_h', 3: f'{n}_w'} for n in names})
+    with torch.no_grad():
+        torch.onnx.export(wrapper, (dummy, ), path, input_names=['image'], output_names=names,
+                          dynamic_axes=axes, opset_version=opset, dynamo=False,
+                          do_constant_folding=True)
+    return names
+
+
+def torch_outputs(model: nn.Module, part: str, image: Tensor) -> List[np.ndarray]:
+    with torch.no_grad():
+        return [o.numpy() for o in ExportWrapper(model, part).eval()(image)]
+
+
+def max_relative_error(ref: Sequence[np.ndarray], out: Sequence[np.ndarray]) -> float:
+    """Largest ``max|a - b| / max|a|`` over the outputs (shapes must match)."""
+    if len(ref) != len(out):
+        raise RuntimeError(f'runtime returned {len(out)} outputs, PyTorch {len(ref)}')
+    worst = 0.0
+    for a, b in zip(ref, out):
+        if a.shape != b.shape:
+            raise RuntimeError(f'runtime output shape {b.shape} != PyTorch {a.shape}')
+        scale = max(float(np.abs(a).max()), 1e-6)
+        worst = max(worst, float(np.abs(a.astype(np.float64) - b).max()) / scale)
+    return worst
+
+
+def onnx_size_mb(path: str) -> float:
+    size = osp.getsize(path)
+    data = path + '.data'
+    if osp.exists(data):
+        size += osp.getsize(data)
+    return size / 2 ** 20

@@ -1,0 +1,166 @@
+"""Running an exported model in onnxruntime or OpenVINO, fp32 or INT8.
+
+Both runtimes read the same ONNX file. INT8 needs one path per runtime (OpenVINO does not
+compile onnxruntime's QDQ model): onnxruntime static quantization (QDQ, per-channel weights)
+writes ``model_int8.onnx``; NNCF post-training quantization writes ``openvino/model_int8.xml``.
+Calibration uses images of the config's dataset, passed through the model's own data
+preprocessor, so the statistics are those of real inputs.
+"""
+import os
+import os.path as osp
+from typing import List, Sequence
+
+import numpy as np
+
+RUNTIMES = ('onnxruntime', 'openvino')
+
+
+class RuntimeModel:
+    """``__call__(image: np.ndarray [1, 3, H, W] float32) -> list of np.ndarray``."""
+
+    def __init__(self, runtime: str, path: str, threads: int):
+        self.runtime, self.path, self.threads = runtime, path, threads
+
+    def __call__(self, image: np.ndarray) -> List[np.ndarray]:
+        raise NotImplementedError
+
+
+class OnnxRuntimeModel(RuntimeModel):
+
+    def __init__(self, path: str, threads: int = 0):
+        import onnxruntime as ort
+        super().__init__('onnxruntime', path, threads)
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            opts.intra_op_num_threads = threads
+            opts.inter_op_num_threads = 1
+        self.session = ort.InferenceSession(path, opts, providers=['CPUExecutionProvider'])
+        self.input_name = self.session.get_inputs()[0].name
+
+    def __call__(self, image: np.ndarray) -> List[np.ndarray]:
+        return self.session.run(None, {self.input_name: np.ascontiguousarray(image)})
+
+
+class OpenVINOModel(RuntimeModel):
+
+    def __init__(self, path: str, threads: int = 0):
+        import openvino as ov
+        super().__init__('openvino', path, threads)
+        core = ov.Core()
+        config = {'PERFORMANCE_HINT': 'LATENCY'}
+        if threads:
+            config['INFERENCE_NUM_THREADS'] = threads
+        self.compiled = core.compile_model(core.read_model(path), 'CPU', config)
+        self.request = self.compiled.create_infer_request()
+
+    def __call__(self, image: np.ndarray) -> List[np.ndarray]:
+        self.request.infer({0: np.ascontiguousarray(image)})
+        return [self.request.get_output_tensor(i).data.copy()
+                for i in range(len(self.compiled.outputs))]
+
+
+def check_runtime(runtime: str) -> str:
+    if runtime not in RUNTIMES:
+        raise ValueError(f'unknown runtime {runtime!r}; valid: {RUNTIMES}')
+    return runtime
+
+
+def artifact_path(out_dir: str, runtime: str, int8: bool) -> str:
+    """Where ``tools/export_onnx.py`` writes each form."""
+    check_runtime(runtime)
+    if runtime == 'onnxruntime':
+        return osp.join(out_dir, 'model_int8.onnx' if int8 else 'model.onnx')
+    return osp.join(out_dir, 'openvino', 'model_int8.xml' if int8 else 'model.xml')
+
+
+def load_runtime_model(out_dir: str, runtime: str, int8: bool = False,
+                       threads: int = 0) -> RuntimeModel:
+    path = artifact_path(out_dir, runtime, int8)
+    if not osp.exists(path):
+        what = 'INT8 ' if int8 else ''
+        raise FileNotFoundError(f'no {what}{runtime} model at {path}; run tools/export_onnx.py '
+                                f'--out {out_dir}' + (' --int8' if int8 else ''))
+    cls = OnnxRuntimeModel if runtime == 'onnxruntime' else OpenVINOModel
+    return cls(path, threads)
+
+
+def convert_to_openvino(onnx_path: str, out_dir: str) -> str:
+    """The OpenVINO IR (``model.xml`` + ``.bin``) of an ONNX file, fp32 weights."""
+    import openvino as ov
+    os.makedirs(out_dir, exist_ok=True)
+    xml = osp.join(out_dir, 'model.xml')
+    ov.save_model(ov.convert_model(onnx_path), xml, compress_to_fp16=False)
+    return xml
+
+
+def quantize_onnxruntime(onnx_path: str, out_path: str,
+                         calibration: Sequence[np.ndarray]) -> str:
+    """Static INT8 quantization (QDQ, per-channel weights, activations calibrated by MinMax
+    on ``calibration`` images)."""
+    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType,
+                                          quantize_static)
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    import onnxruntime as ort
+    input_name = ort.InferenceSession(
+        onnx_path, providers=['CPUExecutionProvider']).get_inputs()[0].name
+
+    class Reader(CalibrationDataReader):
+
+        def __init__(self):
+            self.items = iter([{input_name: x} for x in calibration])
+
+        def get_next(self):
+            return next(self.items, None)
+
+    prepared = out_path + '.pre.onnx'
+    quant_pre_process(onnx_path, prepared, skip_symbolic_shape=True)
+    try:
+        quantize_static(prepared, out_path, Reader(), quant_format=QuantFormat.QDQ,
+                        per_channel=True, activation_type=QuantType.QInt8,
+                        weight_type=QuantType.QInt8)
+    finally:
+        if osp.exists(prepared):
+            os.remove(prepared)
+    return out_path
+
+
+def quantize_openvino(xml_path: str, out_path: str, calibration: Sequence[np.ndarray]) -> str:
+    """NNCF post-training INT8 quantization of the OpenVINO model (transformer preset)."""
+    import nncf
+    import openvino as ov
+    model = ov.Core().read_model(xml_path)
+    dataset = nncf.Dataset(list(calibration))
+    quantized = nncf.quantize(model, dataset, model_type=nncf.ModelType.TRANSFORMER,
+                              subset_size=len(calibration))
+    ov.save_model(quantized, out_path)
+    return out_path
+
+
+def calibration_images(cfg, model, num: int, shape=None) -> List[np.ndarray]:
+    """``num`` images of the config's training set, through its test pipeline and the model's
+    data preprocessor (normalized, padded), as ``[1, 3, H, W]`` float32 arrays; resized to
+    ``shape`` when the exported model has a static input."""
+    import torch
+    import torch.nn.functional as F
+    from mmengine.dataset import pseudo_collate
+    from mmengine.registry import DATASETS
+    ds_cfg = cfg.train_dataloader.dataset.copy()
+    while 'dataset' in ds_cfg and 'pipeline' not in ds_cfg:  # RepeatDataset & co.
+        ds_cfg = ds_cfg.dataset.copy()
+    ds_cfg.pipeline = cfg.test_dataloader.dataset.pipeline
+    ds_cfg.test_mode = True
+    ds_cfg.pop('filter_cfg', None)
+    dataset = DATASETS.build(ds_cfg)
+    if len(dataset) == 0:
+        raise RuntimeError('the calibration dataset is empty')
+    out = []
+    for i in range(min(num, len(dataset))):
+        data = model.data_preprocessor(pseudo_collate([dataset[i]]), False)
+        image = data['inputs']
+        if shape is not None and tuple(image.shape[-2:]) != tuple(shape):
+            image = F.interpolate(image, size=shape, mode='bilinear', align_corners=False)
+        with torch.no_grad():
+            out.append(image.float().numpy())
+    return out

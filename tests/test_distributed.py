@@ -1,0 +1,104 @@
+"""Multi-process training of progressive-norm models through ``tools/dist_train.sh``.
+
+Two CPU processes over gloo, a tiny PRepBN Swin in Mask R-CNN and in an FCN segmentor. The
+backbone's norms decay LN -> RepBN over 2 iterations (g = 1, 0.5, 0 in iterations 1-3), so
+the three training iterations cross every point of the schedule where a branch is idle; the
+output norms run a longer schedule (6 iterations) that is still under way when the run ends,
+so the resumed run must continue it. DDP runs with mmengine's default
+``find_unused_parameters=False``: a parameter without a gradient aborts the second iteration.
+"""
+import json
+import os.path as osp
+import re
+import sys
+
+import pytest
+
+from test_tools_e2e import (TOOLS, det_config, free_port, run_tool, seg_config,  # noqa: F401
+                            demo_data, write_config)
+
+BODY_STEP, OUT_STEP = 2, 6
+
+
+def progressive_config(task: str, data_root, work_dir, max_iters: int) -> dict:
+    cfg = det_config(data_root, work_dir) if task == 'det' else seg_config(data_root, work_dir)
+    cfg['model']['backbone'] = dict(
+        type='ReparamSwinTransformer', embed_dims=16, depths=(1, 1, 1, 1),
+        num_heads=(1, 2, 2, 4), window_size=4, out_indices=(0, 1, 2, 3),
+        norm_cfg=dict(type='PRepBN', step=BODY_STEP),
+        out_norm_cfg=dict(type='PRepBN', step=OUT_STEP))
+    if task == 'seg':
+        # UperNet, as the real configs: every backbone output (and output norm) is used
+        head = cfg['model']['decode_head']
+        cfg['model']['decode_head'] = dict(
+            type='UPerHead', in_channels=[16, 32, 64, 128], in_index=[0, 1, 2, 3],
+            pool_scales=(1, 2), channels=16, dropout_ratio=0.1, num_classes=150,
+            norm_cfg=head['norm_cfg'], align_corners=False, loss_decode=head['loss_decode'])
+    cfg['custom_imports'] = dict(imports=['mmslab'], allow_failed_imports=False)
+    cfg['custom_hooks'] = [dict(type='ProgressiveNormHook'),
+                           dict(type='ReparamEvalHook', warmup=0)]
+    cfg['train_cfg'] = dict(type='IterBasedTrainLoop', max_iters=max_iters, val_interval=3)
+    cfg['default_hooks']['checkpoint'] = dict(type='CheckpointHook', by_epoch=False,
+                                              interval=3)
+    cfg['param_scheduler'] = []
+    if cfg['train_dataloader']['sampler']['type'] == 'DefaultSampler':
+        cfg['train_dataloader']['sampler'] = dict(type='InfiniteSampler', shuffle=True)
+    return cfg
+
+
+def logged_ratios(output: str):
+    """{iteration: (min g, max g)} from the training log lines of rank 0."""
+    found = {}
+    for m in re.finditer(r'Iter\(train\) \[\s*(\d+)/\d+\].*?prepbn_ratio_min: ([\d.]+)\s+'
+                         r'prepbn_ratio_max: ([\d.]+)', output):
+        found[int(m.group(1))] = (float(m.group(2)), float(m.group(3)))
+    return found
+
+
+@pytest.mark.parametrize('task', ['det', 'seg'])
+def test_two_process_training_crosses_the_schedule_then_resumes(demo_data, tmp_path, task):
+    from mmslab.engine import load_checkpoint_file
+    work_dir = tmp_path / 'work_dir'
+    config = write_config(tmp_path / f'prepbn_{task}.py',
+                          progressive_config(task, demo_data[task], work_dir, max_iters=3))
+    env = dict(PORT=str(free_port()), PYTHON=sys.executable, OMP_NUM_THREADS='1')
+    output = run_tool(['bash', osp.join(TOOLS, 'dist_train.sh'), config, 2], cwd=tmp_path,
+                      env=env, timeout=600)
+    assert re.search(r'GPU number: 2\b', output), output[-3000:]
+    assert 'Iter(train) [3/3]' in output, output[-3000:]
+
+    # g of the body norms crosses 1 -> 0.5 -> 0; the output norms are at 1, 5/6, 4/6
+    ratios = logged_ratios(output)
+    assert ratios.get(1) == pytest.approx((1.0, 1.0), abs=1e-4), ratios
+    assert ratios.get(2) == pytest.approx((0.5, 1 - 1 / OUT_STEP), abs=1e-4), ratios
+    assert ratios.get(3) == pytest.approx((0.0, 1 - 2 / OUT_STEP), abs=1e-4), ratios
+
+    # validation of the fused copy on both ranks, latency gathered from both
+    latency = json.loads((work_dir / 'latency.json').read_text())
+    assert latency['reparameterized'] is True
+    assert latency['world_size'] == 2
+    assert latency['images_per_rank'] == [2, 2]
+    assert latency['images'] == 4 == latency['fused']['count']
+    assert latency['max_relative_difference'] is not None
+    assert latency['max_relative_difference'] < 1e-3
+    metric = 'coco/bbox_mAP' if task == 'det' else 'mIoU'
+    assert re.search(r'Iter\(val\).*' + re.escape(metric), output), output[-3000:]
+
+    saved = load_checkpoint_file(str(work_dir / 'iter_3.pth'))['state_dict']
+    assert not any(k.startswith('module.') for k in saved)
+    # a training checkpoint holds the unfused structure: LN and BN branches of every PRepBN
+    assert any(k.endswith('norm1.weight') for k in saved)
+    assert any(k.endswith('norm2.bn.running_var') for k in saved)
+    iters = {int(v) for k, v in saved.items() if k.endswith('cur_iter')}
+    assert iters == {2}, iters  # the iteration the last step ran at
+
+    resumed = run_tool(['bash', osp.join(TOOLS, 'dist_train.sh'), config, 2, '--resume',
+                        '--cfg-options', 'train_cfg.max_iters=5'], cwd=tmp_path,
+                       env=dict(env, PORT=str(free_port())), timeout=600)
+    assert re.search(r'resumed epoch: \d+, iter: 3\b', resumed), resumed[-3000:]
+    assert 'Iter(train) [1/5]' not in resumed
+    ratios = logged_ratios(resumed)
+    assert ratios.get(4) == pytest.approx((0.0, 1 - 3 / OUT_STEP), abs=1e-4), ratios
+    assert ratios.get(5) == pytest.approx((0.0, 1 - 4 / OUT_STEP), abs=1e-4), ratios
+    final = load_checkpoint_file(str(work_dir / 'iter_5.pth'))['state_dict']
+    assert {int(v) for k, v in final.items() if k.endswith('cur_iter')} == {4}
