@@ -48,7 +48,8 @@ class OpenVINOModel(RuntimeModel):
         import openvino as ov
         super().__init__('openvino', path, threads)
         core = ov.Core()
-        config = {'PERFORMANCE_HINT': 'LATENCY'}
+        # fp32 means fp32: on CPUs with bf16 units OpenVINO otherwise computes in bf16.
+        config = {'PERFORMANCE_HINT': 'LATENCY', 'INFERENCE_PRECISION_HINT': 'f32'}
         if threads:
             config['INFERENCE_NUM_THREADS'] = threads
         self.compiled = core.compile_model(core.read_model(path), 'CPU', config)

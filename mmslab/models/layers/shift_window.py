@@ -1,6 +1,7 @@
 """(Shifted-)window partitioning around any window attention kernel."""
 from typing import Tuple
 
+import numpy as np
 import torch
 import torch.nn as nn
 from torch import Tensor
@@ -90,6 +91,7 @@ class ShiftWindowAttention(nn.Module):
         layout = dict(wh=wh, ww=ww, hp=hp, wp=wp, shift=s, num_windows=nwh * nww,
                       identity=(wh, ww) == (h, w) and s == 0,
                       gather=gather.clamp(max=h * w - 1), pad_slots=slots[~valid],
+                      pad_mask=~valid,
                       bidx=slot_of_token // n, pidx=slot_of_token % n,
                       valid=valid.view(-1, n) if not bool(valid.all()) else None)
         layout['shift_mask'] = self._shift_mask(hp, wp, wh, ww, s, device)
@@ -102,15 +104,17 @@ class ShiftWindowAttention(nn.Module):
         """``[nW, N, N]`` additive mask (0 / -100) separating regions the shift wrapped."""
         if not (s and self.w_msa.uses_shift_mask):
             return None
-        img = torch.zeros(1, hp, wp, 1, device=device)
+        # Built in numpy: a constant, so an exported graph holds it as one initializer
+        # (traced tensor ops would record the empty region slices of small maps).
+        img = np.zeros((1, hp, wp, 1), dtype=np.float32)
         cnt = 0
         for hs in (slice(0, -wh), slice(-wh, -s), slice(-s, None)):
             for ws in (slice(0, -ww), slice(-ww, -s), slice(-s, None)):
                 img[:, hs, ws, :] = cnt
                 cnt += 1
-        win = window_partition(img, wh, ww).squeeze(-1)  # [nW, N]
-        diff = win.unsqueeze(1) - win.unsqueeze(2)
-        return torch.zeros_like(diff).masked_fill(diff != 0, -100.0)
+        win = window_partition(torch.from_numpy(img), wh, ww).squeeze(-1).numpy()  # [nW, N]
+        diff = win[:, None, :] - win[:, :, None]
+        return torch.from_numpy(np.where(diff != 0, -100.0, 0.0).astype(np.float32)).to(device)
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
         b, n, c = x.shape
@@ -128,7 +132,13 @@ class ShiftWindowAttention(nn.Module):
             windows = kernel.qkv(x.index_select(1, lay['gather']))  # [B, nW*N, 3C]
             if lay['pad_slots'].numel():
                 pad = kernel.pad_value()
-                windows[:, lay['pad_slots']] = 0.0 if pad is None else pad.to(windows.dtype)
+                pad = windows.new_zeros(()) if pad is None else pad.to(windows.dtype)
+                if torch.onnx.is_in_onnx_export():
+                    # index_put exports to a Reshape that onnxruntime rejects; a select by
+                    # a constant mask is the same values in plain ops.
+                    windows = torch.where(lay['pad_mask'].view(1, -1, 1), pad, windows)
+                else:
+                    windows[:, lay['pad_slots']] = pad
             windows = windows.view(b * nw, wh * ww, 3 * c)
         out = kernel.attend(windows, nw, (wh, ww), shift_mask=lay['shift_mask'],
                             valid=lay['valid'],

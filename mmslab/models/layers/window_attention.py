@@ -178,9 +178,8 @@ def _softmax_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -
 
 def _softmax_matmul(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
     """Batched matmul + softmax, as mmdet's ``WindowMSA`` computes it (plain ONNX ops)."""
-    attn = torch.baddbmm(mask.flatten(0, 1), (q * scale).flatten(0, 1),
-                         k.flatten(0, 1).transpose(-2, -1))
-    return (attn.softmax(dim=-1) @ v.flatten(0, 1)).view_as(q)
+    attn = (q * scale) @ k.transpose(-2, -1) + mask  # [B', heads, N, N]
+    return attn.softmax(dim=-1) @ v
 
 
 #: The two ways of computing window softmax attention; which is faster depends on the CPU
