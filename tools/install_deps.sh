@@ -4,8 +4,8 @@
 #   bash tools/install_deps.sh
 #
 # mmcv 2.1.0 has no wheel for Python 3.11 + torch 2.14, so it is built once from its PyPI
-# source with the compiled CPU ops (about 17 minutes on 2 cores) into a cache outside the
-# repository ($MMSLAB_WHEELS, default ~/.cache/mmslab/wheels) and reused afterwards.
+# source with the compiled CPU ops (about 15 minutes on 2 cores; tools/mmcv_recipe.sh) into a
+# cache outside the repository ($MMSLAB_WHEELS, default ~/.cache/mmslab/wheels) and reused.
 # With everything in place a re-run takes a few seconds.
 set -euo pipefail
 
@@ -27,9 +27,10 @@ pins = {'torch': '2.14.1', 'torchvision': '0.29.1', 'mmcv': '2.1.0', 'mmengine':
         'mmdet': '3.3.0', 'mmsegmentation': '1.2.2'}
 for name, version in pins.items():
     assert md.version(name).split('+')[0] == version, name
-for name in ('timm', 'pycocotools', 'ftfy', 'regex', 'matplotlib', 'pytest', 'mmslab'):
+for name in ('timm', 'pycocotools', 'ftfy', 'regex', 'matplotlib', 'pytest', 'onnx',
+             'onnxruntime', 'openvino', 'nncf', 'mmslab'):
     md.version(name)
-import mmcv.ops, mmdet, mmseg  # noqa
+import mmcv.ops, mmdet, mmseg, onnxruntime, openvino  # noqa
 PYEOF
 then
     log "environment in $VENV is complete"
@@ -67,6 +68,9 @@ fi
 step "installing mmengine, mmdet, mmseg and the rest"
 "${PIP[@]}" -q mmengine==0.10.7 mmdet==3.3.0 mmsegmentation==1.2.2 timm ftfy regex \
     pycocotools matplotlib pytest
+
+step "installing the deployment runtimes (onnx, onnxruntime, openvino, nncf)"
+"${PIP[@]}" -q "onnx>=1.17" "onnxruntime>=1.20" "openvino>=2025.0" "nncf>=2.16"
 
 step "installing mmslab (editable) and checking the pins of setup.cfg"
 "${PIP[@]}" -q -e "$REPO"

@@ -39,13 +39,18 @@ class ExportWrapper(nn.Module):
                 "part 'model' is for segmentors. A detector's post-processing (NMS, RoIAlign "
                 "over a data-dependent number of boxes) has no ONNX form without custom "
                 "operators: export 'features' and run the heads in PyTorch")
-        self.model = model  # a detector / segmentor, or a bare backbone for 'backbone'
+        if part == 'backbone':
+            # a detector / segmentor, or a bare backbone (mmdet's Swin has a `backbone`
+            # attribute of its own that is None)
+            self.model = model.backbone if (is_detector or is_segmentor) else model
+        else:
+            self.model = model
         self.part = part
 
     def forward(self, image: Tensor) -> Tuple[Tensor, ...]:
         m = self.model
         if self.part == 'backbone':
-            outs = (m.backbone if hasattr(m, 'backbone') else m)(image)
+            outs = m(image)
         elif self.part == 'features':
             outs = m.extract_feat(image)
         else:

@@ -118,7 +118,10 @@ class ShiftWindowAttention(nn.Module):
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
         b, n, c = x.shape
-        h, w = hw_shape
+        # Plain ints even under tracing (ONNX export): the layout and masks are constants of
+        # the input size and are cached by it; traced size tensors would be hashed by id.
+        h, w = int(hw_shape[0]), int(hw_shape[1])
+        b, n, c = int(b), int(n), int(c)
         if n != h * w:
             raise ValueError(f'input has {n} tokens but hw_shape {hw_shape} has {h * w}')
         kernel = self.w_msa
@@ -133,7 +136,7 @@ class ShiftWindowAttention(nn.Module):
             if lay['pad_slots'].numel():
                 pad = kernel.pad_value()
                 pad = windows.new_zeros(()) if pad is None else pad.to(windows.dtype)
-                if torch.onnx.is_in_onnx_export():
+                if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
                     # index_put exports to a Reshape that onnxruntime rejects; a select by
                     # a constant mask is the same values in plain ops.
                     windows = torch.where(lay['pad_mask'].view(1, -1, 1), pad, windows)

@@ -157,7 +157,7 @@ class WindowMSA(WindowKernelBase):
     def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
                shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
                cache_key=None) -> Tensor:
-        bw, n, _ = qkv.shape
+        bw, n = int(qkv.shape[0]), int(qkv.shape[1])  # constants under tracing (see caller)
         if window_hw != self.window_size:
             raise ValueError(f'WindowMSA with window {self.window_size} got windows {window_hw}')
         q, k, v = qkv.view(bw, n, 3, self.num_heads, self.head_dims).permute(2, 0, 3, 1, 4)
