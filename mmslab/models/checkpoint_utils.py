@@ -41,15 +41,26 @@ def _log_keys(title: str, keys, logger) -> None:
                   logger=logger)
 
 
+def uninitialized_core_parameters(backbone: nn.Module, loaded_keys) -> list:
+    """Attention and FFN parameters of ``backbone`` that ``loaded_keys`` does not provide."""
+    core = ('.attn.', '.ffn.', '.mlp.')
+    return [k for k, _ in backbone.named_parameters()
+            if any(c in f'.{k}' for c in core) and k not in loaded_keys]
+
+
 def load_pretrained_backbone(backbone: nn.Module, path: str, prefix: Optional[str] = None,
-                             logger=None, reset_schedule: bool = False) -> dict:
+                             logger=None, reset_schedule: bool = False,
+                             allow_uninitialized: bool = False) -> dict:
     """Load ``path`` into ``backbone``: detect the layout, convert it, resize windows, load.
 
     Relative-position tables, SLA positional encodings and PVT position embeddings whose
     window/grid differs from the backbone's are resized; ``relative_position_index`` buffers
     are always the model's own. Loading is non-strict, with the missing/unexpected keys
     logged, but a checkpoint that provides less than half of the backbone's parameters (by
-    element count) is an error, not a silent random init.
+    element count) is an error, not a silent random init, and so is one that leaves any
+    attention or FFN parameter uninitialized (e.g. a SLAB-PVT file with SLA in all stages
+    loaded into a backbone with softmax attention in one), unless ``allow_uninitialized``
+    (``init_cfg=dict(..., allow_uninitialized=True)``).
 
     Returns ``dict(format, missing, unexpected, shape_mismatch, dropped, resized)``.
     """
@@ -81,6 +92,15 @@ def load_pretrained_backbone(backbone: nn.Module, path: str, prefix: Optional[st
             f'{type(backbone).__name__}: wrong architecture? (checkpoint keys after conversion '
             f'e.g. {list(state)[:3]}, model keys e.g. {list(own)[:3]}; shape mismatches: '
             f'{shape_mismatch[:5]})')
+    uninitialized = uninitialized_core_parameters(backbone, state)
+    if uninitialized and not allow_uninitialized:
+        raise ValueError(
+            f'{path} ({fmt} layout) leaves {len(uninitialized)} attention/FFN parameters of '
+            f'{type(backbone).__name__} uninitialized, e.g. {uninitialized[:4]} (shape '
+            f'mismatches: {shape_mismatch[:4]}). The backbone does not match the checkpoint '
+            '(attention types per stage? FFN type?); fix the config, or pass '
+            "init_cfg=dict(type='Pretrained', ..., allow_uninitialized=True) to train them "
+            'from scratch.')
     result = backbone.load_state_dict(state, strict=False)
     # The model's own relative_position_index buffers are right by construction.
     missing = [k for k in result.missing_keys if not k.endswith('relative_position_index')]

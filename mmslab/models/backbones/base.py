@@ -41,14 +41,22 @@ class ReparamBackboneMixin:
 
     def _load_pretrained(self) -> bool:
         """Load ``init_cfg=dict(type='Pretrained', checkpoint=..., prefix=...,
-        reset_schedule=False)``; returns whether it did."""
+        reset_schedule=False, allow_uninitialized=False)``; returns whether it did."""
         if self.init_cfg is None or self.init_cfg.get('type') != 'Pretrained':
             return False
         from ..checkpoint_utils import load_pretrained_backbone
+        known = {'type', 'checkpoint', 'prefix', 'reset_schedule', 'allow_uninitialized',
+                 'map_location'}
+        unknown = set(self.init_cfg) - known
+        if unknown:
+            raise ValueError(f'init_cfg has unknown keys {sorted(unknown)}; valid: '
+                             f'{sorted(known)}')
         load_pretrained_backbone(self, self.init_cfg['checkpoint'],
                                  prefix=self.init_cfg.get('prefix'),
                                  logger=MMLogger.get_current_instance(),
-                                 reset_schedule=self.init_cfg.get('reset_schedule', False))
+                                 reset_schedule=self.init_cfg.get('reset_schedule', False),
+                                 allow_uninitialized=self.init_cfg.get('allow_uninitialized',
+                                                                       False))
         return True
 
     def switch_to_deploy(self) -> None:
