@@ -24,6 +24,8 @@ from mmengine.utils import ProgressBar  # noqa: E402
 
 import mmslab  # noqa: E402
 from mmslab.benchmark import measure_interleaved, parse_shape, summarize  # noqa: E402
+from mmslab.models.layers.window_attention import window_softmax_choices  # noqa: E402
+from mmslab.utils.machine import machine_info, machine_line  # noqa: E402
 
 # (name, builder) pairs; "fused" variants are derived automatically for mmslab models.
 RATIOS = [  # (numerator, denominator, target or None): ratio = numerator ms / denominator ms
@@ -98,8 +100,13 @@ def main(argv=None):
                 mark = '' if target is None else (' (target >= %.2f: %s)' % (
                     target, 'met' if value >= target else 'NOT met'))
                 print(f'  {num} / {den}: {value:.2f}x{mark}')
-    report = dict(threads=args.threads, repeat=args.repeat, torch=torch.__version__,
-                  results=results, ratios=ratios)
+    report = dict(machine=machine_info(), threads=args.threads, repeat=args.repeat,
+                  torch=torch.__version__, results=results, ratios=ratios,
+                  window_softmax=window_softmax_choices())
+    print(f"\nmachine: {machine_line(report['machine'])}")
+    for shape, choice in report['window_softmax'].items():
+        print(f"  window softmax {shape}: sdpa {choice['sdpa_ms']:.2f} ms, matmul "
+              f"{choice['matmul_ms']:.2f} ms -> {choice['impl']}")
     with open(osp.join(args.out, 'backbone_speed.json'), 'w') as f:
         json.dump(report, f, indent=2)
     plot(results, osp.join(args.out, 'backbone_speed.png'))

@@ -26,6 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from mmengine.utils import ProgressBar  # noqa: E402
 
 from mmslab.benchmark import measure_interleaved, summarize  # noqa: E402
+from mmslab.utils.machine import machine_info  # noqa: E402
 from mmslab.models.layers import SLA, BiNormAttention, ChannelIdleFFN  # noqa: E402
 
 
@@ -111,7 +112,8 @@ def main(argv=None):
         print(f"  C={r['channels']:4d}  unfused {r['unfused_ms']:8.2f} ms  fused "
               f"{r['fused_ms']:8.2f} ms  ratio {r['ratio']:.2f}x  params "
               f"{r['params_unfused']} -> {r['params_fused']}")
-    report = dict(threads=args.threads, repeat=args.repeat, attention=attn, ffn=ffn)
+    report = dict(machine=machine_info(), threads=args.threads, repeat=args.repeat,
+                  attention=attn, ffn=ffn)
     with open(osp.join(args.out, 'layer_scaling.json'), 'w') as f:
         json.dump(report, f, indent=2)
     plot(report, osp.join(args.out, 'layer_scaling.png'))

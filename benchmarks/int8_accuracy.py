@@ -1,0 +1,126 @@
+"""Accuracy of the deployed models: fused PyTorch vs onnxruntime / OpenVINO, fp32 vs INT8.
+
+    python benchmarks/int8_accuracy.py [--configs ...] [--calib-images 16] [--out DIR]
+
+For each demo config (default: SLAB-Swin-T, PRepBN-Swin-T, RePa-Swin-T and the LayerNorm
+Swin-T baseline, all with the same heads, data and schedule) it trains the model with
+tools/train.py unless ``work_dirs/<config>/last_checkpoint`` exists, exports backbone + neck
+with tools/export_onnx.py (``--int8``: onnxruntime static QDQ and NNCF, calibrated on
+``--calib-images`` training images), and evaluates bbox / segm mAP on the demo validation set
+with tools/test.py in every form. Does the BatchNorm-only model quantize better, as the SLAB
+paper suggests? Prints the table, writes ``int8_accuracy.json`` and ``.png``.
+"""
+import argparse
+import json
+import os
+import os.path as osp
+import subprocess
+import sys
+
+REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
+PREFIX = 'mmslab-test-metrics: '
+DEFAULT_CONFIGS = [f'configs/demo/mask_rcnn_{v}_demo.py'
+                   for v in ('slab_swin_t', 'prepbn_swin_t', 'repa_swin_t', 'swin_t')]
+FORMS = [('pytorch fused', []),
+         ('onnxruntime fp32', ['--backend', 'onnxruntime']),
+         ('onnxruntime int8', ['--backend', 'onnxruntime', '--int8']),
+         ('openvino fp32', ['--backend', 'openvino']),
+         ('openvino int8', ['--backend', 'openvino', '--int8'])]
+
+
+def run(args, log):
+    with open(log, 'a') as f:
+        proc = subprocess.run([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        f.write(proc.stdout)
+    if proc.returncode:
+        raise SystemExit(f'failed ({proc.returncode}): {" ".join(args)}; see {log}')
+    return proc.stdout
+
+
+def metrics_of(output: str) -> dict:
+    lines = [ln for ln in output.splitlines() if ln.startswith(PREFIX)]
+    if not lines:
+        raise SystemExit('tools/test.py printed no metrics')
+    return json.loads(lines[-1][len(PREFIX):])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--configs', nargs='+', default=DEFAULT_CONFIGS)
+    p.add_argument('--calib-images', type=int, default=16)
+    p.add_argument('--shape', nargs=2, type=int, default=[256, 256])
+    p.add_argument('--out', default='work_dirs/int8_accuracy')
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    log = osp.abspath(osp.join(args.out, 'log.txt'))
+    results = {}
+    for config in args.configs:
+        name = osp.splitext(osp.basename(config))[0]
+        work = osp.join('work_dirs', name)
+        last = osp.join(REPO, work, 'last_checkpoint')
+        if not osp.exists(last):
+            print(f'{name}: training (tools/train.py)', flush=True)
+            run([osp.join('tools', 'train.py'), config, '--work-dir', work], log)
+        ckpt = open(last).read().strip()
+        export_dir = osp.join(args.out, name)
+        print(f'{name}: exporting and quantizing', flush=True)
+        run([osp.join('tools', 'export_onnx.py'), config, ckpt, '--out', export_dir,
+             '--shape', *map(str, args.shape), '--part', 'features', '--int8',
+             '--calib-images', str(args.calib_images)], log)
+        results[name] = {}
+        for form, extra in FORMS:
+            out = run([osp.join('tools', 'test.py'), config, ckpt, '--export-dir', export_dir,
+                       '--work-dir', osp.join(args.out, name, 'test_' + form.replace(' ', '_')),
+                       *extra], log) if extra else run(
+                [osp.join('tools', 'test.py'), config, ckpt,
+                 '--work-dir', osp.join(args.out, name, 'test_pytorch')], log)
+            m = metrics_of(out)
+            results[name][form] = {k: m[k] for k in ('coco/bbox_mAP', 'coco/segm_mAP')}
+            print(f"  {form:18s} bbox {m['coco/bbox_mAP']:.3f}  segm {m['coco/segm_mAP']:.3f}",
+                  flush=True)
+    print_table(results)
+    with open(osp.join(args.out, 'int8_accuracy.json'), 'w') as f:
+        json.dump(dict(calib_images=args.calib_images, shape=args.shape, results=results), f,
+                  indent=2)
+    plot(results, osp.join(args.out, 'int8_accuracy.png'))
+    return results
+
+
+def print_table(results):
+    forms = [f for f, _ in FORMS]
+    print('\nbbox / segm mAP on the demo validation set')
+    print('  ' + 'model'.ljust(28) + ''.join(f.rjust(19) for f in forms))
+    for name, r in results.items():
+        print('  ' + name.ljust(28) + ''.join(
+            f"{r[f]['coco/bbox_mAP']:.3f} / {r[f]['coco/segm_mAP']:.3f}".rjust(19)
+            for f in forms))
+    for name, r in results.items():
+        for rt in ('onnxruntime', 'openvino'):
+            d = r[f'{rt} int8']['coco/bbox_mAP'] - r[f'{rt} fp32']['coco/bbox_mAP']
+            print(f'  {name} {rt}: INT8 - fp32 bbox mAP {d:+.3f}')
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    forms = [f for f, _ in FORMS]
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(forms)
+    for i, form in enumerate(forms):
+        ax.bar([j + i * width for j in range(len(names))],
+               [results[n][form]['coco/bbox_mAP'] for n in names], width, label=form)
+    ax.set_xticks([j + width * (len(forms) - 1) / 2 for j in range(len(names))])
+    ax.set_xticklabels([n.replace('mask_rcnn_', '').replace('_demo', '') for n in names])
+    ax.set_ylabel('bbox mAP (demo val)')
+    ax.legend(fontsize=8)
+    ax.grid(axis='y', alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == '__main__':
+    main()
