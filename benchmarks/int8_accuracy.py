@@ -38,6 +38,27 @@ def run(args, log):
     return proc.stdout
 
 
+def short_schedule(config: str, iters) -> list:
+    """``--cfg-options`` that shrink the demo schedule to ``iters`` iterations."""
+    if not iters:
+        return []
+    from mmengine.config import Config
+    cfg = Config.fromfile(osp.join(REPO, config))
+    full = cfg.train_cfg.max_iters
+    scale = iters / full
+    opts = [f'train_cfg.max_iters={iters}', f'train_cfg.val_interval={iters}',
+            f'default_hooks.checkpoint.interval={iters}',
+            'param_scheduler.1.milestones=[' + ','.join(
+                str(int(m * scale)) for m in cfg.param_scheduler[1].milestones) + ']',
+            f'param_scheduler.1.end={iters}']
+    for key in ('norm_cfg', 'out_norm_cfg'):
+        norm = cfg.model.backbone.get(key) or {}
+        if norm.get('type') == 'PRepBN':
+            opts += [f'model.backbone.{key}.step={max(1, int(norm["step"] * scale))}',
+                     f'model.backbone.{key}.warmup={int(norm.get("warmup", 0) * scale)}']
+    return ['--cfg-options', *opts]
+
+
 def metrics_of(output: str) -> dict:
     lines = [ln for ln in output.splitlines() if ln.startswith(PREFIX)]
     if not lines:
@@ -50,6 +71,10 @@ def main(argv=None):
     p.add_argument('--configs', nargs='+', default=DEFAULT_CONFIGS)
     p.add_argument('--calib-images', type=int, default=16)
     p.add_argument('--shape', nargs=2, type=int, default=[256, 256])
+    p.add_argument('--train-iters', type=int, default=None,
+                   help='train the models that need training for this many iterations '
+                   '(default: the config\'s 200), with the PRepBN schedule and the lr steps '
+                   'scaled to match')
     p.add_argument('--out', default='work_dirs/int8_accuracy')
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -61,7 +86,8 @@ def main(argv=None):
         last = osp.join(REPO, work, 'last_checkpoint')
         if not osp.exists(last):
             print(f'{name}: training (tools/train.py)', flush=True)
-            run([osp.join('tools', 'train.py'), config, '--work-dir', work], log)
+            run([osp.join('tools', 'train.py'), config, '--work-dir', work,
+                 *short_schedule(config, args.train_iters)], log)
         ckpt = open(last).read().strip()
         export_dir = osp.join(args.out, name)
         print(f'{name}: exporting and quantizing', flush=True)
