@@ -358,8 +358,8 @@ def test_norm_schedule_and_hooks(path):
     total = total_train_iters(cfg)
     prepbn = [m for m in backbone.modules() if type(m).__name__ == 'PRepBN']
     for m in prepbn:
-        # LN -> RepBN (after its pure-LN warm-up) must finish before training ends (NaN
-        # reports when T is far shorter than training, REFERENCE section 1); about 0.8 x.
+        # LN -> RepBN (after its pure-LN warm-up) must finish before training ends (users of
+        # the SLAB code report NaN when T is far shorter than training); about 0.8 x.
         end = m.warmup + m.step
         assert 0.6 * total <= end < total, f'PRepBN ends at {end} of {total} iterations'
     for m in backbone.modules():

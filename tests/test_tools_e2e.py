@@ -461,12 +461,16 @@ def test_safe_loader_refuses_pickled_objects(tmp_path):
     for name, (obj, type_name) in cases.items():
         path = tmp_path / f'{name}.pth'
         torch.save(obj, path)
+        # strict: refused like torch's weights-only load
+        with pytest.raises(pickle.UnpicklingError) as err:
+            load_checkpoint_file(str(path), ignore_foreign=False)
+        message = str(err.value)
+        assert 'weights_only' in message.lower() or 'weights only' in message.lower()
+        assert type_name in message, (name, message[-500:])
+        # default (and mmengine's loader): the foreign entry is dropped, nothing is executed
+        # (tests/test_foreign_checkpoints.py)
         for loader in (load_checkpoint_file, _load_checkpoint):
-            with pytest.raises(pickle.UnpicklingError) as err:
-                loader(str(path))
-            message = str(err.value)
-            assert 'weights_only' in message.lower() or 'weights only' in message.lower()
-            assert type_name in message, (name, message[-500:])
+            assert 'meta' not in loader(str(path))
     assert _CALLED == [], 'the refused checkpoint executed code'
 
     # getattr is only allowed to fetch HistoryBuffer's statistics methods
@@ -479,6 +483,8 @@ def test_safe_loader_refuses_pickled_objects(tmp_path):
     torch.save({'meta': _Getattr()}, path)
     with pytest.raises(pickle.UnpicklingError, match='tofile'):
         load_checkpoint_file(str(path))
+    with pytest.raises(pickle.UnpicklingError, match='tofile'):
+        _load_checkpoint(str(path))
 
     # a plain state dict still loads
     path = tmp_path / 'plain.pth'

@@ -5,7 +5,9 @@ mmslab backbone checkpoint.
         [--arch NAME] [--reset-schedule]
 
 SRC may be ``{'model': ...}``, ``{'state_dict': ...}`` or a bare state dict; it is read with
-``weights_only=True``, so a file holding pickled objects is refused. The backbone is built from
+``weights_only=True``. Entries holding other pickled objects (the SLAB authors' yacs ``config``,
+RePaViT's ``argparse`` ``args``) are ignored and logged, never executed; a file whose tensors
+cannot be read that way is refused (see docs/checkpoint_formats.md). The backbone is built from
 ``--arch`` (e.g. prepbn_swin_t, slab_swin_t, slab_swin_s, repa_swin_t/s/b, prepbn_pvt_t/s/m,
 slab_pvt_t, swin_t) or inferred from the keys, and the converted weights must load into it
 strictly (only output norms and relative-position indices, which classification checkpoints
@@ -18,6 +20,7 @@ finished); ``--reset-schedule`` restarts it.
 import argparse
 import os.path as osp
 import pickle
+import re
 import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -44,9 +47,13 @@ def main(argv=None) -> int:
         convert_checkpoint_file(args.src, args.dst, fmt=args.format, arch=args.arch,
                                 reset_schedule=args.reset_schedule)
     except pickle.UnpicklingError as err:
-        lines = [ln for ln in str(err).splitlines() if 'Unsupported global' in ln]
-        print(f'error: {args.src} holds pickled objects and is refused (weights_only load)'
-              f'{": " + lines[0].strip() if lines else ""}', file=sys.stderr)
+        text = str(err)
+        found = re.search(r'GLOBAL (\S+)', text)
+        reasons = ([f'unsupported global {found.group(1)}'] if found else []) + \
+            [ln.strip() for ln in text.splitlines() if ln.startswith('mmslab could not read')]
+        print(f'error: {args.src} holds pickled objects that cannot be read without executing '
+              f'code from the file, and is refused{": " if reasons else ""}{"; ".join(reasons)}',
+              file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, TypeError) as err:
         print(f'error: {err}', file=sys.stderr)

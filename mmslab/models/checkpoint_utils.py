@@ -27,7 +27,11 @@ def extract_state_dict(ckpt) -> dict:
 
 
 def read_checkpoint(path: str):
-    """Load a checkpoint file with ``weights_only=True`` (mmslab's allow-list if available)."""
+    """Load a checkpoint file with ``weights_only=True`` (mmslab's allow-list if available).
+
+    Foreign pickled objects (the SLAB authors' yacs ``config``, RePaViT's ``args``) are dropped
+    without executing anything: see :func:`mmslab.engine.checkpoint.load_checkpoint_file`.
+    """
     try:
         from mmslab.engine.checkpoint import load_checkpoint_file
     except ImportError:  # pragma: no cover - the engine module is part of mmslab

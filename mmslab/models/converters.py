@@ -670,7 +670,8 @@ def convert_checkpoint_file(src: str, dst: str, fmt: str = 'auto', arch: Optiona
                             reset_schedule: bool = False, log=print) -> dict:
     """Convert ``src`` into an mmslab backbone checkpoint at ``dst``.
 
-    Reads ``src`` with ``weights_only=True`` (a pickled object is refused), converts it, builds
+    Reads ``src`` with mmslab's loader (tensors and plain data only; foreign objects such as a
+    yacs config are dropped, never executed), converts it, builds
     the matching backbone (from ``arch`` or inferred from the keys) and loads the result
     strictly: the only keys allowed to be absent are the model-owned ones of
     :func:`model_owned_keys`, kept at their initial values. Writes

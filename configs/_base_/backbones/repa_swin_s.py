@@ -4,7 +4,7 @@
 # attention as in the authors' Swin. No progressive norm, hence no ProgressiveNormHook.
 # Weights: no public release (the RePaViT README says weights "will be released soon"): train
 # RePaSwin-S with the authors' code (--channel_idle --idle_ratio=0.75) and convert it to
-# mmslab names (REFERENCE.md section 7).
+# mmslab names (docs/checkpoint_formats.md).
 backbone = dict(
     type='RePaSwin',
     arch='small',

@@ -6,7 +6,7 @@
 # as is.
 # Weights: official Swin-T ImageNet-1k, swin_tiny_patch4_window7_224.pth (81.2% top-1),
 #   https://github.com/SwinTransformer/storage/releases/download/v1.0.0/swin_tiny_patch4_window7_224.pth
-#   converted to mmdet/mmslab parameter names (REFERENCE.md section 7).
+#   converted to mmdet/mmslab parameter names (docs/checkpoint_formats.md).
 backbone = dict(
     type='ReparamSwinTransformer',
     arch='tiny',  # embed 96, depths (2, 2, 6, 2), heads (3, 6, 12, 24)
