@@ -4,31 +4,59 @@ Training normalizes by a smoothed per-channel quadratic mean and back-propagates
 gradient statistics; inference is the fixed affine ``y = w * x / sqrt(running_var + eps) + b``,
 which folds into the neighbouring Linear/Conv (see :mod:`mmslab.models.layers.affine`).
 
-Notation (paper, Sec. 3 and Algorithm 2), per channel at training iteration ``t``:
+The training step follows the authors' reference implementation (GitHub
+``hikvision-research/Unified-Normalization``, ``image_classification/models/
+unified_normalization/unified_normalization.py``); this is an independent re-implementation.
+Per channel, at training iteration ``t`` (0-based, set by :meth:`UN.set_iter`):
 
-* ``s_t = mean(x^2)`` over every non-channel axis (no centring);
-* window ``Omega_t = (s_t, ..., s_{t-M+1})``; ``var_t = GM(Omega_t)`` (geometric mean) once the
-  window was already full before this iteration and ``t >= warmup_iters``, otherwise ``s_t``;
-* ``z = x / sqrt(var_t + eps)``, ``y = w * z + b``; ``running_var <- a * running_var + (1 - a) * var_t``;
-* backward: ``g_z = dL/dz = w * dL/dy``, ``gz_t = mean(g_z * z)``, ``psi_t = a * psi_{t-1} +
-  (1 - a) * AM(gz_t, ..., gz_{t-M+1})`` and ``dL/dx = (g_z - psi_t * z) / sqrt(var_t + eps)``
-  (with ``gz_t`` instead of ``psi_t`` whenever the forward used ``s_t``);
-* outlier filtration (Eq. 18-19): if, in any channel, ``AM(Omega_t) - GM(Omega_t) >
-  M * Var(sqrt(Omega_{t-1}))`` the layer drops every moving average for this iteration (uses
-  ``s_t`` and ``gz_t``), and the recorded window slots of iteration ``t`` are overwritten with
-  the running estimates (``running_var`` and ``psi``) to passivate the outlier; ``running_var``
-  still takes ``s_t`` (Algorithm 2), the gradient EMA skips the iteration;
-* gradient scale: from ``max(grad_scale_start, warmup_iters)`` on, ``dL/dx`` is multiplied by
-  ``r = clamp(sqrt(var_t + eps) / sqrt(running_var + eps), 1 / clamp, clamp)``.
+Forward
+
+* ``s_t = mean(x^2)`` over every non-channel axis (quadratic mean, no centring).
+* Window ``Omega_t``: the last ``M`` recorded statistics, ``s_t`` included.
+* The moving averages are *active* once the window held ``M`` statistics before this iteration
+  and ``t >= warmup_iters``; then ``var_t = GM(Omega_t)`` (geometric mean), otherwise
+  ``var_t = s_t`` (window fill-up and warm-up).
+* Outlier filtration (only while active): threshold ``T = M * Var(sqrt(Omega_{t-1}))`` where
+  ``Var`` is ONE scalar, the unbiased variance over all ``M x C`` entries of the previous window
+  (read before ``s_t`` is recorded). If ``AM(Omega_t) - GM(Omega_t) > T`` in any channel the
+  step is an outlier step: ``var_t = s_t``, and the window slot of ``s_t`` is overwritten with
+  ``running_var`` (the value before this step's update) to passivate the outlier.
+* Gradient scale ``r = clamp(sqrt(var_t + eps) / sqrt(running_var + eps), 1/clamp, clamp)``
+  with ``running_var`` from *before* this step's update, from iteration
+  ``max(grad_scale_start, warmup_iters)`` on; ``r = 1`` before that and on outlier steps.
+* ``z = x / sqrt(var_t + eps)``, ``y = w * z + b``;
+  ``running_var <- a * running_var + (1 - a) * var_t`` (``var_t = s_t`` on outlier steps).
+
+Backward, with ``gy = dL/dy``
+
+* ``g = gy * w * r`` (the scale acts on the incoming gradient) and ``gz_t = mean(g * z)``.
+* ``gz_t`` is recorded in the gradient window (on outlier steps the slot gets the gradient EMA
+  ``psi`` from before this step instead).
+* ``psi <- a * psi + (1 - a) * m_t`` with ``m_t = AM(gradient window)`` when the averages are
+  active and ``m_t = gz_t`` otherwise (warm-up, fill-up, outlier step). ``psi`` starts at 0.
+* ``dL/dx = (g - p * z) / sqrt(var_t + eps)`` with ``p = psi`` (the updated EMA, also during
+  warm-up) and ``p = gz_t`` on outlier steps.
+* ``dL/dw = sum(gy * r * z)``, ``dL/db = sum(gy)``.
 
 ``a`` is ``momentum`` (0.9): the weight of the *old* value, as in the paper (the opposite of
 ``torch.nn.BatchNorm``'s convention).
 
-Note on the outlier test: it compares the dispersion of two overlapping windows, so it is
-scale-free; when consecutive statistics differ by independent noise rather than a smooth drift
-it fires often, and "any channel" makes a wide layer fire almost every iteration (simulated
-with i.i.d. noise, M=4: 13% of steps for one channel, 47% for 4, 100% for 96), which then
-normalizes with current statistics as during warm-up.
+Where the paper and the authors' code differ, this module follows the code:
+
+* the paper (Eq. 18-19) can be read as a per-channel variance of the previous window; the code
+  compares every channel against the single scalar above, which includes the spread between
+  channels, so the filter fires only on large jumps (per-channel thresholds fire on almost
+  every step of a wide layer with noisy batches);
+* the paper's Algorithm 2 has no warm-up rule for the backward; the code uses the gradient EMA
+  throughout (fed with ``gz_t`` during warm-up) and keeps feeding it on outlier steps;
+* the gradient scale ``r`` is not in the paper (code: start 1000, clamp 5, here configurable).
+
+Small departures from the code, all outside its default regime: the iteration is 0-based, so
+the averages start at ``t = max(M, warmup_iters)`` (the code's 1-based counter starts them one
+iteration earlier when ``warmup_iters > M``); the outlier test runs only when the averages are
+active (the code also runs it during fill-up when ``warmup_iters < M``, against empty slots);
+the window is kept oldest-first instead of as a ring (means and variances do not depend on the
+order); several forwards/backwards in one iteration are supported (see :class:`UN`).
 """
 from typing import Optional, Tuple
 
@@ -40,39 +68,46 @@ from mmslab.registry import register_model
 from .affine import FoldableNorm, _broadcast
 
 # Per-iteration modes of the moving averages.
-_CURRENT = 'current'  # warm-up or window not yet full: current statistics, averages still fed
-_AVERAGE = 'average'  # geometric-mean variance and EMA gradient statistic
-_OUTLIER = 'outlier'  # outlier filtered: current statistics, averages passivated
+_CURRENT = 'current'  # warm-up or window filling: current statistic, gradient EMA still used
+_AVERAGE = 'average'  # geometric-mean variance, EMA of the windowed gradient statistic
+_OUTLIER = 'outlier'  # outlier filtered: current statistics, recorded slots passivated
 
 
 class _UNNormalize(torch.autograd.Function):
-    """``z = x / sqrt(var + eps)`` with UN's estimated-gradient backward.
+    """``w * x / sqrt(var + eps)`` with UN's estimated-gradient backward.
 
-    ``var`` is a constant of the forward pass (as in the paper, the gradient does not flow
-    through the statistics); the terms it would contribute are replaced by the gradient
-    statistic ``psi`` that the owning :class:`UN` maintains.
+    ``var`` is a constant of the forward pass (the gradient does not flow through the
+    statistics); the terms it would contribute are replaced by the gradient statistic ``psi``
+    that the owning :class:`UN` maintains. ``scale`` is the gradient scale ``r`` (``None``:
+    ``r = 1``); it multiplies the incoming gradient, so it also scales the weight gradient.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, inv_std: Tensor, scale: Optional[Tensor], module: 'UN',
-                it: int, mode: str) -> Tensor:
-        ctx.save_for_backward(x, inv_std, scale)
+    def forward(ctx, x: Tensor, weight: Tensor, inv_std: Tensor, scale: Optional[Tensor],
+                module: 'UN', it: int, mode: str) -> Tensor:
+        ctx.save_for_backward(x, weight, inv_std, scale)
         ctx.module, ctx.it, ctx.mode = module, it, mode
-        return x * _broadcast(inv_std, x, module.data_format)
+        fmt = module.data_format
+        return x * _broadcast(inv_std * weight, x, fmt)
 
     @staticmethod
-    def backward(ctx, grad_z: Tensor):
-        x, inv_std, scale = ctx.saved_tensors
+    def backward(ctx, grad_y: Tensor):
+        x, weight, inv_std, scale = ctx.saved_tensors
         module = ctx.module
         fmt = module.data_format
+        dims = module._stat_dims(x)
         inv = _broadcast(inv_std, x, fmt)
         z = x * inv
-        gz = (grad_z * z).mean(dim=module._stat_dims(x))
-        psi = module._gradient_statistic(gz, ctx.it, ctx.mode)
-        grad_x = (grad_z - z * _broadcast(psi.to(z.dtype), x, fmt)) * inv
         if scale is not None:
-            grad_x = grad_x * _broadcast(scale, x, fmt)
-        return grad_x, None, None, None, None, None
+            grad_y = grad_y * _broadcast(scale, x, fmt)
+        grad_w = (grad_y * z).sum(dim=dims) if ctx.needs_input_grad[1] else None
+        g = grad_y * _broadcast(weight, x, fmt)
+        gz = (g * z).mean(dim=dims)
+        psi = module._gradient_statistic(gz, ctx.it, ctx.mode)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g - z * _broadcast(psi.to(z.dtype), x, fmt)) * inv
+        return grad_x, grad_w, None, None, None, None, None
 
 
 @register_model('UN')
@@ -104,10 +139,11 @@ class UN(FoldableNorm):
     statistic into the window and updates ``running_var``; further forwards in the same
     iteration (several losses, activation checkpointing recomputation) push nothing and
     normalize with the same smoothed variance when the averages are active, or with their own
-    current statistic otherwise. Likewise the first backward of an iteration pushes the gradient
-    statistic; later ones reuse that iteration's estimate. A training forward before any
-    :meth:`set_iter` raises. Call :meth:`reset_iter` when fine-tuning from a checkpoint so the
-    warm-up runs again.
+    current statistic otherwise; their gradient scale uses the same pre-update ``running_var``.
+    Likewise the first backward of an iteration pushes the gradient statistic; later ones reuse
+    that iteration's estimate (their own statistic on an outlier step). A training forward
+    before any :meth:`set_iter` raises. Call :meth:`reset_iter` when fine-tuning from a
+    checkpoint so the warm-up runs again.
 
     Shape: input and output alike, ``[..., C]`` (channels_last) or ``[B, C, *]``
     (channels_first). Buffers: ``running_var``, ``grad_est`` ``[C]``; ``window``,
@@ -152,6 +188,7 @@ class UN(FoldableNorm):
         self.grad_scale_start = int(grad_scale_start)
         self._iter_driven = False  # set by set_iter(); checked by training forwards
         self._iter_mode: Optional[Tuple[int, str]] = None  # (iteration, mode) of the last push
+        self._iter_running: Optional[Tensor] = None  # running_var before that push (for r)
         self._num_recal = 0  # batches averaged while momentum is None (recalibration)
         if deploy:
             return
@@ -185,8 +222,8 @@ class UN(FoldableNorm):
     def reset_iter(self) -> None:
         """Restart from iteration 0 with empty windows, so the warm-up runs again.
 
-        ``running_var`` and the affine are kept; the gradient EMA restarts from the first
-        arithmetic mean it sees.
+        ``running_var``, the gradient EMA ``grad_est`` and the affine are kept (the authors
+        restart only the iteration counter when fine-tuning).
         """
         if self.deploy:
             return
@@ -196,6 +233,7 @@ class UN(FoldableNorm):
         self.num_filled.zero_()
         self.grad_filled.zero_()
         self._iter_mode = None
+        self._iter_running = None
 
     def reset_running_stats(self) -> None:
         """``running_var`` back to 1 (used by BN recalibration with ``momentum=None``)."""
@@ -222,63 +260,55 @@ class UN(FoldableNorm):
 
     @torch.no_grad()
     def _push_statistic(self, s: Tensor, it: int) -> Tuple[Tensor, str]:
-        """First forward of iteration ``it``: update window and running_var, pick the variance."""
+        """First forward of iteration ``it``: record ``s``, update running_var, pick var."""
         m = self.window_size
-        prev_full = int(self.num_filled) >= m
-        prev = self.window.clone()
+        # The averages start once the window held M statistics before this iteration.
+        active = int(self.num_filled) >= m and it >= self.warmup_iters
+        threshold = None
+        if active and self.outlier_filtration:
+            # One scalar for the whole layer: M times the unbiased variance of sqrt(s) over all
+            # M x C entries of the previous window (authors' code), read before s is recorded.
+            threshold = m * self.window.to(s).sqrt().var()
         self.window.copy_(torch.cat([self.window[1:], s.to(self.window)[None]]))
         self.num_filled.fill_(min(int(self.num_filled) + 1, m))
-        mode = _CURRENT
-        var = s
-        # Averaging starts once the window was full *before* this push (t > M in the paper's
-        # 1-based count): the outlier threshold then has a full previous window.
-        if prev_full and it >= self.warmup_iters:
+        mode, var = _CURRENT, s
+        if active:
             win = self.window.to(s)
             gm = self._geometric_mean(win)
             mode, var = _AVERAGE, gm
-            if self.outlier_filtration:
-                # Eq. 18-19: AM - GM of the current window against M * Var(sqrt) (population
-                # variance, for which the AM-GM bound holds) of the previous window.
-                threshold = m * prev.to(s).sqrt().var(dim=0, unbiased=False)
-                if bool((win.mean(dim=0) - gm > threshold).any()):
-                    mode, var = _OUTLIER, s
+            if threshold is not None and bool((win.mean(dim=0) - gm > threshold).any()):
+                mode, var = _OUTLIER, s
         old_running = self.running_var.clone()
-        self.running_var.mul_(self.momentum).add_((1.0 - self.momentum) * var.to(old_running))
         if mode == _OUTLIER:
-            # Passivate the outlier in later windows: its slot records the running estimate from
-            # before this iteration (the updated one already carries 10% of the outlier). The
-            # EMA itself takes s_t as in Algorithm 2: holding it instead can lock a drifting
-            # layer into filtering every step with a frozen running_var.
+            # Passivate the outlier in later windows: its slot takes the running estimate.
             self.window[-1].copy_(old_running)
+        self.running_var.mul_(self.momentum).add_((1.0 - self.momentum) * var.to(old_running))
         self.last_iter.fill_(it)
         self._iter_mode = (it, mode)
+        self._iter_running = old_running
         return var, mode
 
     @torch.no_grad()
     def _gradient_statistic(self, gz: Tensor, it: int, mode: str) -> Tensor:
-        """Return the gradient statistic ``psi`` for the backward of iteration ``it``."""
+        """Return the gradient statistic used by the backward of iteration ``it``."""
         if int(self.grad_iter) == it:
             # Another backward in the same iteration: reuse this iteration's estimate.
-            return self.grad_est.to(gz) if mode == _AVERAGE else gz
+            return gz if mode == _OUTLIER else self.grad_est.to(gz)
         m = self.window_size
-        first = int(self.grad_filled) == 0
+        old_est = self.grad_est.clone()
         self.grad_window.copy_(torch.cat([self.grad_window[1:], gz.to(self.grad_window)[None]]))
         self.grad_filled.fill_(min(int(self.grad_filled) + 1, m))
         self.grad_iter.fill_(it)
         if mode == _OUTLIER:
-            # Paper: psi (the previous estimate) replaces the recorded gradient statistic; the
-            # EMA itself is left as it was so the outlier does not leak into it.
-            self.grad_window[-1].copy_(self.grad_est)
-            return gz
-        mean = self.grad_window[-int(self.grad_filled):].mean(dim=0)
-        if first:
-            # Start the EMA at the first mean instead of 0 (avoids a zero-biased estimate when
-            # warmup_iters is short; irrelevant after the default 4000 warm-up iterations).
-            self.grad_est.copy_(mean)
+            # The slot records the estimate from before this step; the EMA still takes gz.
+            self.grad_window[-1].copy_(old_est)
+        if mode == _AVERAGE:
+            fed = self.grad_window[-int(self.grad_filled):].mean(dim=0)
         else:
-            self.grad_est.mul_(self.momentum).add_((1.0 - self.momentum) * mean)
-        # During warm-up the averages are fed but the exact current statistic is used.
-        return self.grad_est.to(gz) if mode == _AVERAGE else gz
+            fed = gz.to(self.grad_est)
+        self.grad_est.mul_(self.momentum).add_((1.0 - self.momentum) * fed)
+        # The EMA is used outside outlier steps, warm-up included; an outlier uses its own gz.
+        return gz if mode == _OUTLIER else self.grad_est.to(gz)
 
     # ------------------------------------------------------------------ forward
     def forward_train(self, x: Tensor) -> Tensor:
@@ -301,31 +331,39 @@ class UN(FoldableNorm):
                 self.running_var.add_((s.to(self.running_var) - self.running_var)
                                       / self._num_recal)
             z = xs * _broadcast(torch.rsqrt(s + self.eps), xs, fmt)
+            y = torch.addcmul(_broadcast(self.bias.to(dtype), z, fmt), z,
+                              _broadcast(self.weight.to(dtype), z, fmt))
+            return y.to(x.dtype)
+
+        if not self._iter_driven:
+            raise RuntimeError(
+                'UN is training but nothing sets its training iteration. Add '
+                "custom_hooks=[dict(type='ProgressiveNormHook')] to the config, or call "
+                'mmslab.set_progressive_iter(model, it) before each training iteration.')
+        it = int(self.cur_iter)
+        if int(self.last_iter) != it:
+            var, mode = self._push_statistic(s, it)
         else:
-            if not self._iter_driven:
-                raise RuntimeError(
-                    'UN is training but nothing sets its training iteration. Add '
-                    "custom_hooks=[dict(type='ProgressiveNormHook')] to the config, or call "
-                    'mmslab.set_progressive_iter(model, it) before each training iteration.')
-            it = int(self.cur_iter)
-            if int(self.last_iter) != it:
-                var, mode = self._push_statistic(s, it)
-            else:
-                same = self._iter_mode is not None and self._iter_mode[0] == it
-                mode = self._iter_mode[1] if same else _CURRENT
-                # Same smoothed variance as the iteration's first forward, or this call's own
-                # statistic when the averages are off (warm-up or outlier iteration).
-                var = self._geometric_mean(self.window.to(s)) if mode == _AVERAGE else s
-            var = var.to(dtype)
-            scale = None
-            if self.grad_scale_clamp is not None and it >= self.grad_scale_first_iter:
-                c = self.grad_scale_clamp
-                scale = torch.sqrt((var + self.eps) / (self.running_var.to(dtype) + self.eps))
-                scale = scale.clamp(1.0 / c, c)
-            z = _UNNormalize.apply(xs, torch.rsqrt(var + self.eps), scale, self, it, mode)
-        y = torch.addcmul(_broadcast(self.bias.to(dtype), z, fmt), z,
-                          _broadcast(self.weight.to(dtype), z, fmt))
-        return y.to(x.dtype)
+            same = self._iter_mode is not None and self._iter_mode[0] == it
+            mode = self._iter_mode[1] if same else _CURRENT
+            # Same smoothed variance as the iteration's first forward, or this call's own
+            # statistic when the averages are off (warm-up or outlier iteration).
+            var = self._geometric_mean(self.window.to(s)) if mode == _AVERAGE else s
+        var = var.to(dtype)
+        scale = None
+        if (self.grad_scale_clamp is not None and mode != _OUTLIER
+                and it >= self.grad_scale_first_iter):
+            # r compares with running_var from before this iteration's update.
+            pushed = self._iter_mode is not None and self._iter_mode[0] == it \
+                and self._iter_running is not None
+            running = self._iter_running if pushed else self.running_var
+            c = self.grad_scale_clamp
+            scale = torch.sqrt(var + self.eps) / torch.sqrt(running.to(var) + self.eps)
+            scale = scale.clamp(1.0 / c, c)
+        # w * z with the estimated-gradient backward (weight gradient sum(dL/dy * r * z)).
+        wz = _UNNormalize.apply(xs, self.weight.to(dtype), torch.rsqrt(var + self.eps), scale,
+                                self, it, mode)
+        return (wz + _broadcast(self.bias.to(dtype), wz, fmt)).to(x.dtype)
 
     def _fused_affine(self) -> Tuple[Tensor, Tensor]:
         scale = self.weight.detach().double() * torch.rsqrt(self.running_var.double() + self.eps)
