@@ -35,7 +35,7 @@ from mmengine.logging import print_log
 from mmengine.utils import ProgressBar
 
 import mmslab
-from mmslab.deploy import (PARTS, RUNTIMES, artifact_path, calibration_images,
+from mmslab.deploy import (PARTS, RUNTIMES, ExportWrapper, artifact_path, calibration_images,
                            convert_to_openvino, export_onnx, load_runtime_model,
                            max_relative_error, quantize_onnxruntime, quantize_openvino,
                            torch_outputs)
@@ -126,6 +126,10 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     cfg, model, shape = build(args)
     part = args.part or ('model' if is_segmentor(model) else 'features')
+    try:
+        ExportWrapper(model, part)  # refuses a part the model does not have
+    except ValueError as err:
+        raise SystemExit(f'error: {err}')
     if args.dynamic:
         check_dynamic_supported(model)
     onnx_path = osp.join(args.out, 'model.onnx')

@@ -3,11 +3,21 @@
     python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--out FILE_OR_DIR] [--show]
                          [--show-dir DIR] [--wait-time S] [--cfg-options KEY=VALUE ...]
                          [--launcher {none,pytorch,slurm,mpi}] [--tta]
+                         [--backend {pytorch,onnxruntime,openvino} --export-dir DIR [--int8]]
 
 The config's ``default_scope`` ('mmdet' or 'mmseg') selects the codebase. ``--out`` is a pickle
 file of raw detections (mmdet) or a directory of predicted label maps (mmseg). The metrics are
 logged as usual and, on the main process, printed as one JSON line starting with
 ``mmslab-test-metrics:``. Multi-process testing: ``tools/dist_test.sh CONFIG CKPT NPROC [args]``.
+
+``--backend onnxruntime|openvino --export-dir DIR``: the part of the fused model that
+``tools/export_onnx.py --out DIR`` exported (DIR/export.json: detector backbone + neck, or a
+segmentor's logits) runs in that runtime (``--int8``: its INT8 artifact), the rest (heads,
+post-processing, the segmentor's resize + argmax) in PyTorch, so the metrics are those of the
+deployed artifact. The exported input shape is static: each preprocessed image is zero-padded
+at the bottom/right to it (an image larger than it is an error). fp32: ReparamEvalHook's
+equivalence check then compares the runtime with the unfused PyTorch model; INT8 differs by
+design, so the check is off.
 """
 import argparse
 import copy
@@ -35,6 +45,7 @@ from mmslab.utils.launch import (add_launcher_args, export_local_rank,  # noqa: 
                                  teardown_cpu_distributed)
 
 METRICS_PREFIX = 'mmslab-test-metrics: '
+BACKENDS = ('pytorch', 'onnxruntime', 'openvino')
 
 
 def parse_args(argv=None):
@@ -57,8 +68,30 @@ def parse_args(argv=None):
                         'ReparamEvalHook (default: as the config says; mmslab configs fuse)')
     parser.add_argument('--latency', action='store_true',
                         help='measure per-image latency (fused and unfused) into latency.json')
+    parser.add_argument('--backend', choices=BACKENDS, default='pytorch',
+                        help='run the exported model part in this runtime (needs --export-dir)')
+    parser.add_argument('--export-dir', help='directory written by tools/export_onnx.py --out')
+    parser.add_argument('--int8', action='store_true',
+                        help='with --backend onnxruntime/openvino: the INT8 artifact')
+    parser.add_argument('--runtime-threads', type=int, default=0,
+                        help='runtime threads (default: the runtime\'s own)')
     add_launcher_args(parser)
     args = parser.parse_args(argv)
+    if args.backend != 'pytorch':
+        if not args.export_dir:
+            parser.error(f'--backend {args.backend} needs --export-dir DIR (the directory '
+                         'written by tools/export_onnx.py --out DIR)')
+        if not osp.isfile(osp.join(args.export_dir, 'export.json')):
+            parser.error(f'--export-dir {args.export_dir}: no export.json there; run '
+                         f'tools/export_onnx.py CONFIG CKPT --out {args.export_dir} first')
+        if args.tta:
+            parser.error('--tta runs at several input layouts; it is not supported with a '
+                         'runtime backend (the export has one static input shape)')
+    else:
+        if args.int8:
+            parser.error('--int8 needs --backend onnxruntime or openvino')
+        if args.export_dir:
+            parser.error('--export-dir needs --backend onnxruntime or openvino')
     export_local_rank(args)
     return args
 
@@ -149,6 +182,34 @@ def setup_reparam_hook(cfg: Config, reparam, latency: bool) -> None:
     cfg.custom_hooks = hooks
 
 
+def setup_runtime_backend(cfg: Config, args, scope: str) -> None:
+    """Add ``RuntimeBackendHook`` for ``--backend onnxruntime/openvino``; INT8: turn off
+    ReparamEvalHook's fused-vs-unfused equivalence check (INT8 differs by design)."""
+    if args.backend == 'pytorch':
+        return
+    from mmslab.engine.hooks import read_export_info
+    try:
+        info = read_export_info(args.export_dir)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f'error: {err}')
+    part = info['part']
+    if scope == 'mmdet' and part == 'model':
+        raise SystemExit(f"error: {args.export_dir} holds part 'model' (segmentor logits); a "
+                         "detector needs part 'features' or 'backbone'")
+    if scope == 'mmseg' and part == 'features':
+        raise SystemExit(f"error: {args.export_dir} holds part 'features' (detector backbone + "
+                         "neck); a segmentor needs part 'model' or 'backbone'")
+    hooks = [h for h in (cfg.get('custom_hooks', None) or [])
+             if h.get('type') != 'RuntimeBackendHook']
+    if args.int8:
+        for h in hooks:
+            if h.get('type') == 'ReparamEvalHook':
+                h['check_equivalence'] = False
+    hooks.append(dict(type='RuntimeBackendHook', export_dir=args.export_dir,
+                      runtime=args.backend, int8=args.int8, threads=args.runtime_threads))
+    cfg.custom_hooks = hooks
+
+
 def main(argv=None):
     args = parse_args(argv)
     cfg = Config.fromfile(args.config)
@@ -177,6 +238,7 @@ def main(argv=None):
         setup_seg_out(cfg, args.out)
 
     setup_reparam_hook(cfg, args.reparam, args.latency)
+    setup_runtime_backend(cfg, args, scope)
     own_group = setup_cpu_distributed(cfg, args.launcher)
 
     if 'runner_type' not in cfg:
@@ -192,7 +254,9 @@ def main(argv=None):
 
     metrics = runner.test()
     if is_main_process():
-        print(METRICS_PREFIX + json.dumps(dict(metrics or {}), default=_jsonable), flush=True)
+        line = dict(metrics or {})
+        line.update(backend=args.backend, int8=bool(args.int8))
+        print(METRICS_PREFIX + json.dumps(line, default=_jsonable), flush=True)
     teardown_cpu_distributed(own_group)
     return metrics
 

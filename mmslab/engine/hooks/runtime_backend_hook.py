@@ -1,0 +1,224 @@
+"""Evaluate with the exported model part running in onnxruntime or OpenVINO.
+
+``tools/export_onnx.py`` writes one part of the fused model (``backbone``, ``features`` =
+backbone + neck of a detector, ``model`` = a segmentor's logits) to ONNX / OpenVINO, fp32 and
+INT8. :class:`RuntimeBackendHook` makes the test loop run that artifact: before the
+epoch it replaces, on the model instance the loop calls, the method that computes the
+exported part (``extract_feat``, or ``encode_decode`` and ``_forward`` for part ``model``)
+with one that runs the runtime image by image; heads, post-processing and the segmentor's
+resize + argmax stay in PyTorch. The metrics are then those of the deployed artifact.
+"""
+import json
+import math
+import os.path as osp
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mmengine.hooks import Hook
+from mmengine.model import is_model_wrapper
+
+from mmslab.registry import register_hook
+
+
+def read_export_info(export_dir: str) -> dict:
+    """``export.json`` of a directory written by ``tools/export_onnx.py``."""
+    path = osp.join(export_dir, 'export.json')
+    if not osp.isfile(path):
+        raise FileNotFoundError(f'{path} not found: --export-dir must be a directory written by '
+                                'tools/export_onnx.py --out DIR')
+    with open(path) as f:
+        info = json.load(f)
+    for key in ('part', 'shape'):
+        if key not in info:
+            raise ValueError(f'{path} has no {key!r}: not written by tools/export_onnx.py?')
+    return info
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module whose methods the loop ends up calling (DDP wrappers, TTA models)."""
+    from mmengine.model import BaseTTAModel
+    while True:
+        if is_model_wrapper(model) or isinstance(model, BaseTTAModel):
+            model = model.module
+        else:
+            return model
+
+
+def _crop_size(size: int, export_size: int, out_size: int) -> int:
+    """Rows (columns) of an output map computed from ``size`` input rows, given that the
+    export's ``export_size`` rows gave ``out_size``: ``ceil(size / stride)`` for the power-of-2
+    stride that explains the export's own output (every conv / patch-embedding / pooling step
+    of these backbones and FPN's extra levels rounds up). Not well-defined (no such stride):
+    keep ``out_size``."""
+    if out_size <= 0:
+        return out_size
+    stride = 2 ** round(math.log2(export_size / out_size))
+    if stride < 1 or math.ceil(export_size / stride) != out_size:
+        return out_size
+    return min(out_size, math.ceil(size / stride))
+
+
+class RuntimePart:
+    """``__call__(inputs [N, 3, h, w] tensor) -> list of [N, C, h', w'] tensors``: each image
+    zero-padded at the bottom/right to the export's static shape, run, outputs cropped back."""
+
+    def __init__(self, runtime_model, shape: Optional[Sequence[int]]):
+        self.runtime_model = runtime_model
+        self.shape = tuple(shape) if shape is not None else None  # None: dynamic export
+
+    def __call__(self, inputs: torch.Tensor) -> List[torch.Tensor]:
+        h, w = inputs.shape[-2:]
+        if self.shape is not None:
+            eh, ew = self.shape
+            if h > eh or w > ew:
+                raise RuntimeError(
+                    f'input of {h}x{w} (after the data preprocessor) is larger than the exported '
+                    f'static shape {eh}x{ew}: export with tools/export_onnx.py --shape H W at '
+                    f'least as large as the test images (padded to the size divisor)')
+            pad = (0, ew - w, 0, eh - h)
+        per_image = []
+        for image in inputs.detach().float().cpu():
+            image = image[None]
+            if self.shape is not None and any(pad):
+                image = F.pad(image, pad, value=0.0)
+            per_image.append(self.runtime_model(image.numpy()))
+        outs = []
+        for i in range(len(per_image[0])):
+            out = torch.from_numpy(np.concatenate([o[i] for o in per_image], axis=0))
+            if self.shape is not None and any(pad) and out.dim() == 4:
+                # Crop each map to what the PyTorch model gives for this input, so anchors,
+                # RoI feature grids and the segmentor's logits keep the layout of the PyTorch
+                # run (keeping the padded maps would also be safe for detectors, as mmdet
+                # clips boxes to img_shape, but would add anchors/proposals in the padding
+                # and change NMS). Values near the bottom/right border still see the zero
+                # padding through the receptive field (and global pooling / attention):
+                # inherent to a static export; export at the test size to avoid it.
+                oh, ow = out.shape[-2:]
+                out = out[..., :_crop_size(h, eh, oh), :_crop_size(w, ew, ow)]
+            outs.append(out.to(inputs.device).contiguous())
+        return outs
+
+
+@register_hook()
+class RuntimeBackendHook(Hook):
+    """Run the exported part of the model in onnxruntime / OpenVINO during testing.
+
+    Args:
+        export_dir: the directory written by ``tools/export_onnx.py`` (``export.json`` tells
+            the part and the static input shape).
+        runtime: 'onnxruntime' or 'openvino'.
+        int8: run the INT8 artifact (``model_int8.onnx`` / ``openvino/model_int8.xml``).
+        threads: runtime threads (0: the runtime's default).
+
+    Its priority (HIGH) is below ``ReparamEvalHook`` (VERY_HIGH), which swaps in the fused
+    copy first; the methods are patched on that copy, so ``ReparamEvalHook``'s equivalence
+    check (unfused PyTorch vs the model the loop runs) then compares against the runtime.
+    """
+
+    priority = 'HIGH'
+
+    def __init__(self, export_dir: str, runtime: str = 'onnxruntime', int8: bool = False,
+                 threads: int = 0):
+        from mmslab.deploy.runtimes import check_runtime
+        self.export_dir = export_dir
+        self.runtime = check_runtime(runtime)
+        self.int8 = int8
+        self.threads = threads
+        self.info = read_export_info(export_dir)
+        self.part = self.info['part']
+        self._runtime_model = None
+        self._patched: Optional[Tuple[nn.Module, dict, dict]] = None
+
+    # -- patching ---------------------------------------------------------------------------
+    def _load(self):
+        if self._runtime_model is None:
+            from mmslab.deploy.runtimes import load_runtime_model
+            self._runtime_model = load_runtime_model(self.export_dir, self.runtime, self.int8,
+                                                     self.threads)
+        return self._runtime_model
+
+    def _replacements(self, model: nn.Module) -> dict:
+        is_segmentor = hasattr(model, 'decode_head')
+        is_detector = hasattr(model, 'extract_feat') and not is_segmentor
+        part = self.part
+        shape = None if self.info.get('dynamic') else self.info['shape']
+        run = RuntimePart(self._load(), shape)
+        if part == 'features':
+            if not is_detector:
+                raise RuntimeError(f"{self.export_dir} holds part 'features' (detector backbone "
+                                   f'+ neck) but the model is a {type(model).__name__}')
+
+            def extract_feat(batch_inputs):
+                return tuple(run(batch_inputs))
+
+            return dict(extract_feat=extract_feat)
+        if part == 'backbone':
+            if not (is_detector or is_segmentor):
+                raise RuntimeError(f'cannot run a backbone export in a {type(model).__name__}')
+
+            def extract_feat(inputs):
+                x = tuple(run(inputs))
+                if getattr(model, 'with_neck', False):
+                    x = model.neck(x)
+                return x
+
+            return dict(extract_feat=extract_feat)
+        if part == 'model':
+            if not is_segmentor:
+                raise RuntimeError(f"{self.export_dir} holds part 'model' (segmentor logits) but "
+                                   f'the model is a {type(model).__name__}')
+            head = model.decode_head
+            if isinstance(head, nn.ModuleList):  # CascadeEncoderDecoder: the last head
+                head = head[-1]
+
+            def forward_logits(inputs, data_samples=None):
+                outs = run(inputs)
+                if len(outs) != 1:
+                    raise RuntimeError(f"part 'model' returned {len(outs)} outputs, expected the "
+                                       'logits only')
+                return outs[0]
+
+            def encode_decode(inputs, batch_img_metas):
+                # what decode_head.predict does after forward: the resize to the (padded)
+                # input size with the head's align_corners
+                return head.predict_by_feat(forward_logits(inputs), batch_img_metas)
+
+            # _forward: mode='tensor', which ReparamEvalHook's equivalence check calls
+            return dict(encode_decode=encode_decode, _forward=forward_logits)
+        raise RuntimeError(f'unknown part {part!r} in {self.export_dir}/export.json')
+
+    def _enter(self, runner) -> None:
+        model = _unwrap(runner.model)
+        replacements = self._replacements(model)
+        saved = {name: vars(model)[name] for name in replacements if name in vars(model)}
+        for name, fn in replacements.items():
+            setattr(model, name, fn)
+        self._patched = (model, replacements, saved)
+        shape = 'dynamic' if self.info.get('dynamic') else 'x'.join(map(str, self.info['shape']))
+        runner.logger.info(
+            f"RuntimeBackendHook: part '{self.part}' runs in {self.runtime} "
+            f"({'INT8' if self.int8 else 'fp32'}, {self._runtime_model.path}, input {shape}); "
+            f'the rest of {type(model).__name__} in PyTorch')
+
+    def _exit(self, runner) -> None:
+        if self._patched is None:
+            return
+        model, replacements, saved = self._patched
+        for name in replacements:
+            if name in saved:
+                setattr(model, name, saved[name])
+            elif name in vars(model):
+                delattr(model, name)
+        self._patched = None
+
+    # -- mmengine hook points ---------------------------------------------------------------
+    # Test only: during training, validation must see the weights being trained, not an
+    # artifact exported earlier.
+    def before_test_epoch(self, runner) -> None:
+        self._enter(runner)
+
+    def after_test_epoch(self, runner, metrics=None) -> None:
+        self._exit(runner)
