@@ -64,7 +64,7 @@ def write_config(path: str, policy: str, pretrained: str, iters: int) -> None:
         f.write(f"""_base_ = {DEMO!r}
 max_iters = {iters}
 model = dict(backbone=dict(
-    init_cfg=dict(type='Pretrained', checkpoint={pretrained!r}),
+    init_cfg=dict(_delete_=True, type='Pretrained', checkpoint={pretrained!r}),
     bn_stats='frozen', out_bn_stats={OUT_STATS[policy]},
     out_norm_cfg=dict(_delete_=True, **{POLICIES[policy].format(step=step)})))
 train_cfg = dict(max_iters=max_iters, val_interval=max_iters)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from test_tools_e2e import (TOOLS, det_config, demo_data,  # noqa: F401
-                            parse_metrics, run_tool, seg_config, write_config)
+                            parse_metrics, run_tool, tiny_prepbn_swin_config, write_config)
 
 ENV = dict(OMP_NUM_THREADS='1')
 SHAPES = dict(det=(96, 96), seg=(64, 64))  # what the data preprocessors pad the demo data to
@@ -25,21 +25,7 @@ PARITY_TOL = 1e-4
 
 
 def tiny_swin_config(task: str, data_root, work_dir) -> dict:
-    cfg = det_config(data_root, work_dir) if task == 'det' else seg_config(data_root, work_dir)
-    cfg['model']['backbone'] = dict(
-        type='ReparamSwinTransformer', embed_dims=16, depths=(1, 1, 1, 1),
-        num_heads=(1, 2, 2, 4), window_size=4, out_indices=(0, 1, 2, 3),
-        norm_cfg=dict(type='PRepBN', step=2), out_norm_cfg=dict(type='PRepBN', step=2))
-    if task == 'seg':
-        head = cfg['model']['decode_head']
-        cfg['model']['decode_head'] = dict(
-            type='UPerHead', in_channels=[16, 32, 64, 128], in_index=[0, 1, 2, 3],
-            pool_scales=(1, 2), channels=16, dropout_ratio=0.1, num_classes=150,
-            norm_cfg=head['norm_cfg'], align_corners=False, loss_decode=head['loss_decode'])
-    cfg['custom_imports'] = dict(imports=['mmslab'], allow_failed_imports=False)
-    cfg['custom_hooks'] = [dict(type='ProgressiveNormHook'),
-                           dict(type='ReparamEvalHook', warmup=0)]
-    return cfg
+    return tiny_prepbn_swin_config(task, data_root, work_dir)
 
 
 def load_tool(name):

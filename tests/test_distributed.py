@@ -14,29 +14,14 @@ import sys
 
 import pytest
 
-from test_tools_e2e import (TOOLS, det_config, free_port, run_tool, seg_config,  # noqa: F401
-                            demo_data, write_config)
+from test_tools_e2e import (TOOLS, demo_data, free_port, run_tool,  # noqa: F401
+                            tiny_prepbn_swin_config, write_config)
 
 BODY_STEP, OUT_STEP = 2, 6
 
 
 def progressive_config(task: str, data_root, work_dir, max_iters: int) -> dict:
-    cfg = det_config(data_root, work_dir) if task == 'det' else seg_config(data_root, work_dir)
-    cfg['model']['backbone'] = dict(
-        type='ReparamSwinTransformer', embed_dims=16, depths=(1, 1, 1, 1),
-        num_heads=(1, 2, 2, 4), window_size=4, out_indices=(0, 1, 2, 3),
-        norm_cfg=dict(type='PRepBN', step=BODY_STEP),
-        out_norm_cfg=dict(type='PRepBN', step=OUT_STEP))
-    if task == 'seg':
-        # UperNet, as the real configs: every backbone output (and output norm) is used
-        head = cfg['model']['decode_head']
-        cfg['model']['decode_head'] = dict(
-            type='UPerHead', in_channels=[16, 32, 64, 128], in_index=[0, 1, 2, 3],
-            pool_scales=(1, 2), channels=16, dropout_ratio=0.1, num_classes=150,
-            norm_cfg=head['norm_cfg'], align_corners=False, loss_decode=head['loss_decode'])
-    cfg['custom_imports'] = dict(imports=['mmslab'], allow_failed_imports=False)
-    cfg['custom_hooks'] = [dict(type='ProgressiveNormHook'),
-                           dict(type='ReparamEvalHook', warmup=0)]
+    cfg = tiny_prepbn_swin_config(task, data_root, work_dir, BODY_STEP, OUT_STEP)
     cfg['train_cfg'] = dict(type='IterBasedTrainLoop', max_iters=max_iters, val_interval=3)
     cfg['default_hooks']['checkpoint'] = dict(type='CheckpointHook', by_epoch=False,
                                               interval=3)

@@ -256,6 +256,29 @@ def seg_config(data_root, work_dir) -> dict:
     return cfg
 
 
+def tiny_prepbn_swin_config(task: str, data_root, work_dir, body_step: int = 2,
+                            out_step: int = 2) -> dict:
+    """``det_config``/``seg_config`` with a tiny PRepBN Swin (something to fuse) and, for
+    segmentation, UperNet as in the real configs (every backbone output and output norm is
+    used), with mmslab's hooks."""
+    cfg = det_config(data_root, work_dir) if task == 'det' else seg_config(data_root, work_dir)
+    cfg['model']['backbone'] = dict(
+        type='ReparamSwinTransformer', embed_dims=16, depths=(1, 1, 1, 1),
+        num_heads=(1, 2, 2, 4), window_size=4, out_indices=(0, 1, 2, 3),
+        norm_cfg=dict(type='PRepBN', step=body_step),
+        out_norm_cfg=dict(type='PRepBN', step=out_step))
+    if task == 'seg':
+        head = cfg['model']['decode_head']
+        cfg['model']['decode_head'] = dict(
+            type='UPerHead', in_channels=[16, 32, 64, 128], in_index=[0, 1, 2, 3],
+            pool_scales=(1, 2), channels=16, dropout_ratio=0.1, num_classes=150,
+            norm_cfg=head['norm_cfg'], align_corners=False, loss_decode=head['loss_decode'])
+    cfg['custom_imports'] = dict(imports=['mmslab'], allow_failed_imports=False)
+    cfg['custom_hooks'] = [dict(type='ProgressiveNormHook'),
+                           dict(type='ReparamEvalHook', warmup=0)]
+    return cfg
+
+
 # ----------------------------------------------------------------------------------------------
 # fixtures
 # ----------------------------------------------------------------------------------------------
