@@ -14,8 +14,12 @@ in the output norms:
   what the configs do now);
 * ``layernorm``: plain LayerNorm (the SLAB authors' detection backbone; does not fold).
 
-Each run is evaluated with the fused model through ReparamEvalHook. Prints a table of bbox /
-segm mAP, writes ``output_norm_policy.json`` and ``.png`` into ``--out``.
+Each run is evaluated with the fused model through ReparamEvalHook. Because a short run's mAP
+is noisy, each run also reports what the neck receives: the per-channel standard deviation of
+the backbone's four outputs on validation images (eval mode, median over channels). Outputs of
+a norm that normalizes have a spread near its affine weight (about 1 here); outputs of a norm
+whose statistics stayed at mean 0 / variance 1 keep the residual stream's raw scale. Prints a
+table, writes ``output_norm_policy.json`` and ``.png`` into ``--out``.
 """
 import argparse
 import glob
@@ -106,17 +110,38 @@ def main(argv=None):
                         '--work-dir', work_dir], check=True, cwd=REPO,
                        stdout=subprocess.DEVNULL)
         results[policy] = final_metrics(work_dir)
+        results[policy]['output_std'] = output_spread(
+            config, open(osp.join(work_dir, 'last_checkpoint')).read().strip())
         print(f'  {policy}: {results[policy]}', flush=True)
-    print(f"\n{'output norms':12s} {'bbox mAP':>9s} {'segm mAP':>9s}   (fused model, "
-          f'{args.iters} iterations, seed 0)')
+    print(f"\n{'output norms':12s} {'bbox mAP':>9s} {'segm mAP':>9s}   per-channel std of "
+          f'outputs 0-3 (fused model, {args.iters} iterations, seed 0)')
     for policy, m in results.items():
+        spread = ' '.join(f'{v:7.2f}' for v in m['output_std'])
         print(f"{policy:12s} {m.get('coco/bbox_mAP', float('nan')):9.3f} "
-              f"{m.get('coco/segm_mAP', float('nan')):9.3f}")
+              f"{m.get('coco/segm_mAP', float('nan')):9.3f}   {spread}")
     with open(osp.join(args.out, 'output_norm_policy.json'), 'w') as f:
         json.dump(dict(checkpoint=args.checkpoint, iters=args.iters, results=results), f,
                   indent=2)
     plot(results, osp.join(args.out, 'output_norm_policy.png'))
     return results
+
+
+def output_spread(config: str, checkpoint: str, num_images: int = 8) -> list:
+    """Median over channels of the per-channel std of each backbone output (eval mode) on
+    the first ``num_images`` validation images."""
+    import mmcv
+    from mmdet.apis import init_detector
+    model = init_detector(config, checkpoint, device='cpu')
+    root = osp.join(REPO, model.cfg.val_dataloader.dataset.data_root,
+                    model.cfg.val_dataloader.dataset.data_prefix.img)
+    files = sorted(os.listdir(root))[:num_images]
+    images = [torch.from_numpy(mmcv.imread(osp.join(root, f))).permute(2, 0, 1).contiguous()
+              for f in files]
+    with torch.no_grad():
+        x = model.data_preprocessor(dict(inputs=images), False)['inputs']
+        outs = model.backbone(x)
+    # [B, C, H, W] -> per-channel std over images and positions -> median over channels
+    return [float(o.transpose(0, 1).flatten(1).std(dim=1).median()) for o in outs]
 
 
 def plot(results, path):
