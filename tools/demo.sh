@@ -18,7 +18,7 @@ CKPT="$(cat "$WORK/last_checkpoint")"
 # of the 1x / 160k configs, fused vs unfused vs the same model with mmdet's LayerNorm Swin-T.
 if [ "${DEMO_KIND:-coco}" = coco ]; then FULL_SHAPE=800x1333; else FULL_SHAPE=512x512; fi
 "$PY" tools/benchmark.py "$CONFIG" --checkpoint "$CKPT" --shapes "$FULL_SHAPE" \
-    --parts backbone model --baseline-backbone swin_t --repeat 3 --warmup 1 \
+    --parts backbone model --baseline-backbone swin_t --repeat 5 --warmup 1 \
     --out "$WORK/full_size_speed"
 "$PY" tools/visualize_predictions.py "$CONFIG" "$CKPT" --num-images 4 --out "$WORK/predictions"
 "$PY" tools/summarize_run.py "$WORK" --elapsed $(( $(date +%s) - START ))
