@@ -1,11 +1,17 @@
-"""Interleaved latency measurement of fused, unfused and baseline models (batch 1)."""
+"""Interleaved latency measurement of fused, unfused and baseline models (batch 1); the timing
+itself (CUDA synchronization, statistics) is :mod:`mmslab.utils.timing`, shared with
+``ReparamEvalHook``."""
 import copy
-import statistics
-import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from mmdet.structures import DetDataSample
+from mmseg.models.segmentors import BaseSegmentor
+from mmseg.structures import SegDataSample
+
+from mmslab.models.reparam import reparameterize
+from mmslab.utils.timing import latency_stats, timed_ms
 
 
 def parse_shape(text: str) -> Tuple[int, int]:
@@ -31,14 +37,8 @@ def fake_batch(model: nn.Module, shape: Tuple[int, int]):
     meta = dict(img_shape=(h, w), ori_shape=(h, w), pad_shape=(ph, pw),
                 batch_input_shape=(ph, pw), scale_factor=(1.0, 1.0), img_id=0,
                 flip=False, flip_direction=None)
-    scope_mod = type(model).__module__
-    if scope_mod.startswith('mmseg'):
-        from mmseg.structures import SegDataSample
-        sample = SegDataSample(metainfo=meta)
-    else:
-        from mmdet.structures import DetDataSample
-        sample = DetDataSample(metainfo=meta)
-    return inputs, [sample]
+    sample_type = SegDataSample if isinstance(model, BaseSegmentor) else DetDataSample
+    return inputs, [sample_type(metainfo=meta)]
 
 
 def make_runners(model: nn.Module, shape: Tuple[int, int], part: str) -> Callable[[], object]:
@@ -68,23 +68,18 @@ def measure_interleaved(fns: Dict[str, Callable[[], object]], repeat: int, warmu
         for r in range(repeat):
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fns[n]()
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                times[n].append((time.perf_counter() - t0) * 1000.0)
+                times[n].append(timed_ms(fns[n])[1])
                 if progress is not None:
                     progress()
     return times
 
 
 def summarize(ms: Sequence[float]) -> dict:
-    return dict(median_ms=statistics.median(ms), mean_ms=statistics.fmean(ms), min_ms=min(ms),
-                max_ms=max(ms), repeats=len(ms))
+    """The benchmark tools' summary of repeated runs."""
+    s = latency_stats(ms)
+    return dict(median_ms=s['median_ms'], mean_ms=s['mean_ms'], min_ms=s['min_ms'],
+                max_ms=s['max_ms'], repeats=s['count'])
 
 
 def fused_copy(model: nn.Module) -> nn.Module:
-    from mmslab.models.reparam import reparameterize
     return reparameterize(copy.deepcopy(model).eval())

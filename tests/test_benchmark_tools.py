@@ -1,11 +1,10 @@
 """Smoke tests of the measurement tools (they print figures; nothing here asserts a speed)."""
-import importlib.util
 import json
 import os.path as osp
 
 import pytest
+from conftest import load_script
 
-REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
 TINY_CFG = '''
 default_scope = 'mmseg'
@@ -18,14 +17,6 @@ model = dict(
                      loss_decode=dict(type='CrossEntropyLoss')),
     test_cfg=dict(mode='whole'))
 '''
-
-
-def load_script(rel):
-    spec = importlib.util.spec_from_file_location(rel.replace('/', '_')[:-3],
-                                                  osp.join(REPO, rel))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture()

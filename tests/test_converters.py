@@ -17,11 +17,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mmslab  # noqa: F401  (registers everything)
+from conftest import randomize_weights, rel_err
 from mmslab.engine.hooks import set_progressive_iter
 from mmslab.models import PRepBNPVT, PRepBNSwin, RePaSwin, ReparamPVT, ReparamSwinTransformer, \
     SLABPVT, SLABSwin
-from mmslab.models.checkpoint_utils import load_pretrained_backbone
-from mmslab.models.converters import FORMATS, convert, convert_checkpoint_file, detect_format, \
+from mmslab.models.checkpoint_utils import convert_checkpoint_file, load_pretrained_backbone
+from mmslab.models.converters import FORMATS, convert, detect_format, \
     infer_backbone_cfg, resize_positional_encoding, resize_relative_position_bias_table
 from mmslab.models.layers.repbn import PRepBN
 
@@ -29,24 +30,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWIN = dict(embed_dims=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), drop_path_rate=0.0)
 PVT = dict(embed_dims=16, num_layers=(2, 1, 1, 1), num_heads=(1, 2, 2, 4), pretrain_img_size=64,
            drop_path_rate=0.0)
-
-
-def max_rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-
-
-def randomize(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Random weights everywhere, incl. BN statistics, alphas and LayerNorm affines."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.05 if p.dim() > 1 else 0.2) +
-                    (1.0 if name.endswith(('weight', 'alpha')) and p.dim() <= 1 else 0.0))
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.3)
-                m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
-    return model.eval()
 
 
 def outputs(model, x):
@@ -58,7 +41,7 @@ def assert_same_outputs(a, b, tol=1e-5):
     assert len(a) == len(b)
     for ya, yb in zip(a, b):
         assert ya.shape == yb.shape
-        assert max_rel_err(ya, yb) <= tol
+        assert rel_err(ya, yb) <= tol
 
 
 # ------------------------------------------------------------------------------------------
@@ -211,7 +194,7 @@ def timm_swin():
     torch.manual_seed(0)
     m = SwinTransformer(img_size=128, patch_size=4, embed_dim=16, depths=(1, 1, 2, 1),
                         num_heads=(1, 2, 2, 4), window_size=4, num_classes=10)
-    return randomize(m, seed=1)
+    return randomize_weights(m, seed=1)
 
 
 def test_timm_swin_gives_the_same_stage_features():
@@ -220,7 +203,7 @@ def test_timm_swin_gives_the_same_stage_features():
     assert detect_format(sd) == 'timm'
     new, dropped = convert(sd, 'timm')
     assert set(dropped) == {'norm.weight', 'norm.bias', 'head.fc.weight', 'head.fc.bias'}
-    ours = load_converted(randomize(ReparamSwinTransformer(**SWIN, window_size=4), seed=2),
+    ours = load_converted(randomize_weights(ReparamSwinTransformer(**SWIN, window_size=4), seed=2),
                           new)
     x = torch.randn(1, 3, 128, 128)
     with torch.no_grad():
@@ -231,7 +214,7 @@ def test_timm_swin_gives_the_same_stage_features():
         r = F.layer_norm(r.permute(0, 2, 3, 1), r.shape[1:2], norm.weight, norm.bias,
                          norm.eps).permute(0, 3, 1, 2)
         assert g.shape == r.shape
-        assert max_rel_err(g, r) < 1e-4, i
+        assert rel_err(g, r) < 1e-4, i
 
 
 def test_official_swin_matches_timm_and_mmdet_converter():
@@ -260,7 +243,7 @@ def slab_swin(norm_cfg=None, window_size=(8, 4, 4, 4), seed=0, cls=SLABSwin):
     kwargs = dict(SWIN, window_size=window_size)
     if norm_cfg is not None:
         kwargs['norm_cfg'] = norm_cfg
-    return randomize(cls(**kwargs), seed=seed)
+    return randomize_weights(cls(**kwargs), seed=seed)
 
 
 def test_slab_swin_progressive_norms_convert_to_the_same_eval_output():
@@ -326,13 +309,13 @@ def test_finished_authors_schedule_stays_finished_unless_reset(reset):
 
 
 def test_repavit_layout_gives_the_same_outputs():
-    src = randomize(RePaSwin(**SWIN, window_size=4), seed=3)
+    src = randomize_weights(RePaSwin(**SWIN, window_size=4), seed=3)
     authors = to_authors_swin(src.state_dict())
     assert 'layers.0.blocks.0.mlp.norm1.running_var' in authors
     assert 'layers.0.blocks.0.mlp.fc2.weight' in authors
     assert detect_format(authors) == 'repavit'
     new, _ = convert(authors, 'repavit')
-    dst = load_converted(randomize(RePaSwin(**SWIN, window_size=4), seed=9), new, source=src)
+    dst = load_converted(randomize_weights(RePaSwin(**SWIN, window_size=4), seed=9), new, source=src)
     x = torch.randn(2, 3, 64, 64)
     assert_same_outputs(outputs(dst, x), outputs(src, x))
 
@@ -345,11 +328,11 @@ def test_repavit_layout_gives_the_same_outputs():
     (SLABPVT, dict(attn_types=('sla', 'sla', 'softmax', 'softmax'))),
 ])
 def test_slab_pvt_layouts_give_the_same_outputs(cls, kwargs):
-    src = randomize(cls(**PVT, **kwargs), seed=1)
+    src = randomize_weights(cls(**PVT, **kwargs), seed=1)
     authors = to_authors_pvt(src.state_dict(), schedule=(300000, 300000, 5))
     assert detect_format(authors) == 'slab'
     new, _ = convert(authors, 'slab')
-    dst = load_converted(randomize(cls(**PVT, **kwargs), seed=2), new)
+    dst = load_converted(randomize_weights(cls(**PVT, **kwargs), seed=2), new)
     x = torch.randn(2, 3, 64, 64)
     assert_same_outputs(outputs(dst, x), outputs(src, x))
     assert all(float(m.schedule_offset) == 0.0 for _, m in prepbn_modules(dst))
@@ -359,12 +342,12 @@ def test_slab_pvt_layouts_give_the_same_outputs(cls, kwargs):
 
 
 def test_official_pvt_gives_the_same_outputs():
-    src = randomize(ReparamPVT(**PVT), seed=4)
+    src = randomize_weights(ReparamPVT(**PVT), seed=4)
     official = to_authors_pvt(src.state_dict(), official=True)
     assert detect_format(official) == 'pvt'
     new, dropped = convert(official, 'pvt')
     assert set(dropped) == {'cls_token', 'norm.weight', 'norm.bias', 'head.weight', 'head.bias'}
-    dst = load_converted(randomize(ReparamPVT(**PVT), seed=5), new)
+    dst = load_converted(randomize_weights(ReparamPVT(**PVT), seed=5), new)
     x = torch.randn(1, 3, 64, 64)
     assert_same_outputs(outputs(dst, x), outputs(src, x))
 

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from conftest import load_tool
 from test_tools_e2e import (TOOLS, det_config, demo_data,  # noqa: F401
                             parse_metrics, run_tool, tiny_prepbn_swin_config, write_config)
 
@@ -26,15 +27,6 @@ PARITY_TOL = 1e-4
 
 def tiny_swin_config(task: str, data_root, work_dir) -> dict:
     return tiny_prepbn_swin_config(task, data_root, work_dir)
-
-
-def load_tool(name):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(f'mmslab_tool_{name}',
-                                                  osp.join(TOOLS, f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def export(config, out, shape, *extra, checkpoint=None, cwd=None):

@@ -4,25 +4,13 @@ import torch
 import torch.nn as nn
 
 import mmslab
+from conftest import randomize_bn_statistics
 from mmslab.models import statistic_modules
 from mmslab.models.reparam import fold_output_affines_into_neck
 
 BACKBONE = dict(type='SLABSwin', embed_dims=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4),
                 window_size=(8, 4, 2, 2), drop_path_rate=0.0, norm_cfg=dict(type='PRepBN',
                                                                             step=3))
-
-
-def randomize(model):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                m.running_mean.normal_(0, 0.3, generator=g)
-                m.running_var.uniform_(0.5, 2.0, generator=g)
-                m.weight.normal_(1, 0.2, generator=g)
-                m.bias.normal_(0, 0.2, generator=g)
-            if hasattr(m, 'alpha') and isinstance(m.alpha, nn.Parameter):
-                m.alpha.fill_(0.5)
 
 
 def flat(out):
@@ -33,7 +21,7 @@ def flat(out):
 
 def check(model, x, expect_folded):
     model.eval()
-    randomize(model)
+    randomize_bn_statistics(model)
     with torch.no_grad():
         ref = flat(model(x, mode='tensor'))
         mmslab.reparameterize(model)

@@ -1,22 +1,13 @@
 """Export round trip: deploy config + fused checkpoint == the original model."""
-import importlib.util
 import os.path as osp
 
 import pytest
 import torch
 
 import mmslab
+from conftest import load_tool
 from mmslab.datasets.demo_data import make_ade_demo
 
-REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
-
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(f'mmslab_tool_{name}',
-                                                  osp.join(REPO, 'tools', f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 CONFIG = '''

@@ -22,15 +22,15 @@ import numpy as np
 import pytest
 import torch
 
-from test_converters import SWIN, assert_same_outputs, outputs, randomize, slab_swin, \
+from conftest import load_tool, randomize_weights
+from test_converters import SWIN, assert_same_outputs, outputs, slab_swin, \
     to_authors_swin
 
 import mmslab.engine  # noqa: F401  (installs the local-path loader in mmengine)
 import mmslab.engine.checkpoint as safe
 from mmslab.engine.checkpoint import ForeignObject, load_checkpoint_file
 from mmslab.models import RePaSwin, SLABSwin
-from mmslab.models.checkpoint_utils import load_pretrained_backbone
-from mmslab.models.converters import convert_checkpoint_file
+from mmslab.models.checkpoint_utils import convert_checkpoint_file, load_pretrained_backbone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -182,7 +182,7 @@ def test_slab_file_with_yacs_config(tmp_path, authors_module, log):
 
 
 def test_repavit_file_with_argparse_namespace(tmp_path, log):
-    src = randomize(RePaSwin(**SWIN, window_size=4), seed=3)
+    src = randomize_weights(RePaSwin(**SWIN, window_size=4), seed=3)
     authors = to_authors_swin(src.state_dict())
     path = str(tmp_path / 'repavit.pth')
     torch.save({'model': authors, 'optimizer': {'state': {}}, 'epoch': 299,
@@ -193,7 +193,7 @@ def test_repavit_file_with_argparse_namespace(tmp_path, log):
     assert any('ignored args (argparse.Namespace)' in m for m in log), log
 
     # through the tool's main() in this process
-    tool = load_tool()
+    tool = load_tool('convert_checkpoint')
     out = str(tmp_path / 'repa_mmslab.pth')
     assert tool.main([path, out, '--format', 'repavit']) == 0
     dst = RePaSwin(**SWIN, window_size=4)
@@ -203,14 +203,6 @@ def test_repavit_file_with_argparse_namespace(tmp_path, log):
         getattr(dst, f'norm{i}').load_state_dict(getattr(src, f'norm{i}').state_dict())
     x = torch.randn(2, 3, 64, 64)
     assert_same_outputs(outputs(dst.eval(), x), outputs(src, x))
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location(
-        'convert_checkpoint_tool', os.path.join(ROOT, 'tools', 'convert_checkpoint.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_convert_tool_in_a_fresh_process(tmp_path, authors_module):
@@ -247,13 +239,13 @@ def test_mmengine_loaders_ignore_foreign_objects(tmp_path, authors_module):
     from mmengine.runner.checkpoint import _load_checkpoint
 
     assert CheckpointLoader._schemes[''] is safe.load_from_local
-    model = randomize(SLABSwin(**SWIN, window_size=(8, 4, 4, 4)), seed=5)
+    model = randomize_weights(SLABSwin(**SWIN, window_size=(8, 4, 4, 4)), seed=5)
     state = model.state_dict()
     path = str(tmp_path / 'mmslab_with_cfg.pth')
     torch.save({'state_dict': state, 'meta': {'epoch': 3, 'cfg': 'text'},
                 'config': yacs_config(authors_module), 'args': repavit_args()}, path)
     resnet = ResNet(depth=18, base_channels=8, stem_channels=8)
-    randomize(resnet, seed=2)  # (ResNet.train returns None)
+    randomize_weights(resnet, seed=2)  # (ResNet.train returns None)
     rpath = str(tmp_path / 'resnet.pth')
     torch.save({'state_dict': {f'backbone.{k}': v for k, v in resnet.state_dict().items()},
                 'args': repavit_args(), 'config': yacs_config(authors_module)}, rpath)

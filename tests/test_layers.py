@@ -8,15 +8,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mmslab  # noqa: F401  (registers everything)
+from conftest import rel_err
 from mmslab.engine.hooks import set_progressive_iter
 from mmslab.models.layers import (SLA, ChannelIdleFFN, PRepBN, RepBN,
                                   ShiftWindowAttention, TokenBN, WindowMSA, build_norm,
                                   fold_affine_into_next_conv, fold_affine_into_next_linear,
                                   fold_affine_into_prev)
-
-
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
 def randomize_bn(bn: nn.modules.batchnorm._BatchNorm, gen=None):

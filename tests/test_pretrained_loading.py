@@ -6,7 +6,8 @@ softmax attention in a stage would get random weights there. That must not pass 
 import pytest
 import torch
 
-from test_converters import PVT, randomize, to_authors_pvt
+from conftest import randomize_weights
+from test_converters import PVT, to_authors_pvt
 
 from mmslab.models import SLABPVT
 from mmslab.models.checkpoint_utils import load_pretrained_backbone
@@ -14,7 +15,7 @@ from mmslab.models.checkpoint_utils import load_pretrained_backbone
 
 @pytest.fixture
 def slab_pvt_release(tmp_path):
-    src = randomize(SLABPVT(**PVT), seed=1)  # the default: SLA in all four stages
+    src = randomize_weights(SLABPVT(**PVT), seed=1)  # the default: SLA in all four stages
     assert src.attn_types == ('sla', ) * 4
     path = str(tmp_path / 'slab_pvt.pth')
     torch.save({'model': to_authors_pvt(src.state_dict(), schedule=(0, 300000, 5))}, path)

@@ -4,15 +4,12 @@ import torch
 import torch.nn as nn
 
 import mmslab
+from conftest import randomize_bn_statistics, rel_err
 from mmslab.engine.hooks import set_progressive_iter
 from mmslab.models import ReparamPVT, statistic_modules
 
 TINY = dict(embed_dims=8, num_layers=(1, 1, 2, 1), num_heads=(1, 2, 2, 4),
             mlp_ratios=(2, 2, 2, 2), pretrain_img_size=64, drop_path_rate=0.0)
-
-
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
 def test_layernorm_pvt_equals_mmdet_pvt():
@@ -44,15 +41,7 @@ def test_pvt_presets_train_and_fold_exactly(type_, kwargs):
     for it in range(2):
         set_progressive_iter(model, it)
         sum(o.mean() for o in model(torch.randn(2, 3, 64, 64))).backward()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                m.running_mean.normal_(0, 0.5, generator=g)
-                m.running_var.uniform_(0.5, 1.5, generator=g)
-                m.weight.normal_(1, 0.3, generator=g)
-            if hasattr(m, 'alpha') and isinstance(m.alpha, nn.Parameter):
-                m.alpha.fill_(0.3)
+    randomize_bn_statistics(model, seed=1, alpha=0.3)
     model.eval()
     x = torch.randn(1, 3, 80, 112)
     with torch.no_grad():

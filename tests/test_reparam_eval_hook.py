@@ -10,6 +10,7 @@ from mmengine.config import Config
 import mmslab
 from mmslab.datasets.demo_data import make_ade_demo, make_coco_demo
 from mmslab.engine.hooks import ReparamEvalHook
+from mmslab.models.layers import PRepBN
 
 BACKBONE = dict(type='PRepBNSwin', embed_dims=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4),
                 window_size=4, drop_path_rate=0.0, norm_cfg=dict(type='PRepBN', step=3))
@@ -76,7 +77,7 @@ def test_hook_fuses_a_copy_and_saves_unfused_best_checkpoint(data_dir, tmp_path)
     model_before = runner.model
     runner.train()
     assert runner.model is model_before  # the training model is back in place
-    norms = [m for m in runner.model.modules() if type(m).__name__ == 'PRepBN']
+    norms = [m for m in runner.model.modules() if isinstance(m, PRepBN)]
     assert norms and not any(m.deploy for m in norms)
     hook = next(h for h in runner.hooks if isinstance(h, ReparamEvalHook))
     assert hook.last_result['max_relative_difference'] < 1e-3
@@ -114,8 +115,8 @@ def test_fused_and_unfused_metrics_are_equal(data_dir, tmp_path):
 
 def test_equivalence_check_names_the_divergent_module(data_dir, tmp_path, monkeypatch):
     from mmengine.runner import Runner
-    import mmslab.models.reparam as reparam_mod
-    original = reparam_mod.reparameterize
+    import mmslab.engine.hooks.reparam_eval_hook as hook_mod
+    original = hook_mod.reparameterize
 
     def broken(model):
         model = original(model)
@@ -123,7 +124,7 @@ def test_equivalence_check_names_the_divergent_module(data_dir, tmp_path, monkey
             model.backbone.stages[1].blocks[0].attn.w_msa.proj.weight.mul_(1.5)
         return model
 
-    monkeypatch.setattr(reparam_mod, 'reparameterize', broken)
+    monkeypatch.setattr(hook_mod, 'reparameterize', broken)  # the name the hook calls
     cfg = seg_cfg(data_dir, tmp_path / 'bad', dict(type='ReparamEvalHook'))
     cfg.update(train_cfg=None, optim_wrapper=None, train_dataloader=None,
                default_hooks=dict(logger=dict(type='LoggerHook', interval=1)))

@@ -13,7 +13,8 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from test_configs import CONFIG_DIR, load, registry, tiny_backbone_cfg
-from test_converters import randomize, to_authors_swin
+from conftest import randomize_weights
+from test_converters import to_authors_swin
 
 from mmslab.engine.hooks import progressive_ratio, set_progressive_iter
 from mmslab.models.layers.repbn import PRepBN
@@ -34,7 +35,7 @@ def finetune_backbone(tmp_path):
     cfg = load(osp.join(CONFIG_DIR, 'mask_rcnn_slab_swin_t_1x.py'))
     models = registry(cfg)
     bb_cfg = tiny_backbone_cfg(cfg.model.backbone, models)
-    source = randomize(models.build(bb_cfg), seed=1)
+    source = randomize_weights(models.build(bb_cfg), seed=1)
     authors = {'model': to_authors_swin(source.state_dict(), schedule=(0, 60000, 0))}
     ckpt = tmp_path / 'slab_release.pth'
     torch.save(authors, ckpt)

@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 
 import mmslab
+from conftest import randomize_bn_statistics, rel_err
 from mmslab.engine.hooks import set_progressive_iter
 from mmslab.models import ReparamSwinTransformer, statistic_modules
 from mmslab.models.layers import FoldableNorm
@@ -12,30 +13,11 @@ TINY = dict(embed_dims=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), window_s
             drop_path_rate=0.0)
 
 
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-
-
 def build(type_, **kwargs):
     from mmdet.registry import MODELS
     cfg = dict(type=type_, **TINY)
     cfg.update(kwargs)
     return MODELS.build(cfg)
-
-
-def randomize_statistics(model: nn.Module, gen_seed=0):
-    """Random BN statistics/affines and alphas so folds are tested away from identity."""
-    g = torch.Generator().manual_seed(gen_seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                c = m.num_features
-                m.running_mean.copy_(torch.randn(c, generator=g) * 0.5)
-                m.running_var.copy_(torch.rand(c, generator=g) + 0.5)
-                m.weight.copy_(1 + 0.3 * torch.randn(c, generator=g))
-                m.bias.copy_(0.3 * torch.randn(c, generator=g))
-            if hasattr(m, 'alpha') and isinstance(m.alpha, nn.Parameter):
-                m.alpha.fill_(float(torch.rand(1, generator=g)))
 
 
 def test_vanilla_config_equals_mmdet_swin():
@@ -109,7 +91,7 @@ def test_preset_shapes_train_step_and_exact_reparameterization(name):
         loss.backward()
         opt.step()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
-    randomize_statistics(model)
+    randomize_bn_statistics(model)
     model.eval()
     for hw in [(64, 64), (75, 50), (33, 97)]:
         x = torch.randn(1, 3, *hw)

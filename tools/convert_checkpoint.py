@@ -23,9 +23,8 @@ import pickle
 import re
 import sys
 
-sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
-
-from mmslab.models.converters import ARCHS, FORMATS, convert_checkpoint_file  # noqa: E402
+from mmslab.models.checkpoint_utils import convert_checkpoint_file
+from mmslab.models.converters import ARCHS, FORMATS
 
 
 def parse_args(argv=None):

@@ -1,16 +1,24 @@
-"""Loading pretrained backbone weights (``init_cfg=dict(type='Pretrained', ...)``).
+"""Checkpoint files and models: reading, loading pretrained backbone weights
+(``init_cfg=dict(type='Pretrained', ...)``) and converting whole files.
 
-Any supported layout is accepted (see :mod:`mmslab.models.converters`): the authors' SLAB and
-RePaViT ImageNet files, official/timm Swin, official PVT v1 and mmslab/mmdet checkpoints
-(bare, ``{'state_dict'}``/``{'model'}``, detector checkpoints with ``backbone.`` keys).
+Any supported layout is accepted (see :mod:`mmslab.models.converters`, the pure state-dict
+transforms this module applies): the authors' SLAB and RePaViT ImageNet files, official/timm
+Swin, official PVT v1 and mmslab/mmdet checkpoints (bare, ``{'state_dict'}``/``{'model'}``,
+detector checkpoints with ``backbone.`` keys).
 """
+from collections import OrderedDict
 from typing import Optional
 
 import torch
 import torch.nn as nn
 from mmengine.logging import print_log
+from torch import Tensor
 
-from .converters import adapt_to_model, convert, detect_format, strip_wrappers
+from mmslab.engine.checkpoint import load_checkpoint_file
+from mmslab.registry import MODELS
+from .converters import (adapt_to_model, convert, detect_format, infer_backbone_cfg,
+                         model_owned_keys, progressive_schedule_info, strip_wrappers)
+from .converters.common import MODEL_BUFFERS
 
 #: A checkpoint must provide at least this fraction of the backbone's parameter elements.
 MIN_MATCHED_FRACTION = 0.5
@@ -32,10 +40,6 @@ def read_checkpoint(path: str):
     Foreign pickled objects (the SLAB authors' yacs ``config``, RePaViT's ``args``) are dropped
     without executing anything: see :func:`mmslab.engine.checkpoint.load_checkpoint_file`.
     """
-    try:
-        from mmslab.engine.checkpoint import load_checkpoint_file
-    except ImportError:  # pragma: no cover - the engine module is part of mmslab
-        return torch.load(path, map_location='cpu', weights_only=True)
     return load_checkpoint_file(path, map_location='cpu')
 
 
@@ -118,3 +122,71 @@ def load_pretrained_backbone(backbone: nn.Module, path: str, prefix: Optional[st
     _log_keys('resized keys', resized, logger)
     return dict(format=fmt, missing=missing, unexpected=result.unexpected_keys,
                 shape_mismatch=shape_mismatch, dropped=dropped, resized=resized)
+
+
+def convert_checkpoint_file(src: str, dst: str, fmt: str = 'auto', arch: Optional[str] = None,
+                            reset_schedule: bool = False, log=print) -> dict:
+    """Convert ``src`` into an mmslab backbone checkpoint at ``dst``.
+
+    Reads ``src`` with mmslab's loader (tensors and plain data only; foreign objects such as a
+    yacs config are dropped, never executed), converts it, builds
+    the matching backbone (from ``arch`` or inferred from the keys) and loads the result
+    strictly: the only keys allowed to be absent are the model-owned ones of
+    :func:`model_owned_keys`, kept at their initial values. Writes
+    ``{'state_dict': ..., 'meta': {...}}`` and returns the meta dict.
+    """
+    raw = extract_state_dict(read_checkpoint(src))
+    sd = strip_wrappers({k: v for k, v in raw.items() if isinstance(v, Tensor)})
+    if fmt == 'auto':
+        fmt = detect_format(sd)
+    schedule = progressive_schedule_info(sd)
+    new, dropped = convert(sd, fmt, arch=arch, reset_schedule=reset_schedule)
+    cfg = infer_backbone_cfg(new, arch)
+    model = MODELS.build(cfg)
+    own = model.state_dict()
+    initialized = model_owned_keys(own, new)
+    missing = [k for k in own if k not in new and k not in initialized]
+    unexpected = [k for k in new if k not in own]
+    mismatched = [k for k in new if k in own and own[k].shape != new[k].shape]
+    if missing or unexpected or mismatched:
+        raise ValueError(
+            f'{src} ({fmt}) does not fit {cfg["type"]}: missing {missing[:10]}, unexpected '
+            f'{unexpected[:10]}, shape-mismatched {mismatched[:10]} '
+            f'({len(missing)}/{len(unexpected)}/{len(mismatched)} in all)')
+    full = OrderedDict((k, new[k] if k in new else own[k]) for k in own)
+    model.load_state_dict(full, strict=True)
+    state = OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
+    meta = dict(source_format=fmt, arch=arch, backbone_cfg=cfg, dropped_keys=list(dropped),
+                initialized_keys=list(initialized), reset_schedule=bool(reset_schedule),
+                source_schedule=schedule, source=str(src))
+    torch.save(dict(state_dict=state, meta=meta), dst)
+    if log is not None:
+        _log_conversion(log, meta, model, len(sd), len(state), dst)
+    return meta
+
+
+def _log_conversion(log, meta: dict, model: nn.Module, n_source: int, n_written: int,
+                    dst: str) -> None:
+    """What :func:`convert_checkpoint_file` did, for the command-line tool."""
+    src, fmt, arch, cfg = meta['source'], meta['source_format'], meta['arch'], meta['backbone_cfg']
+    dropped, initialized = meta['dropped_keys'], meta['initialized_keys']
+    kwargs = {k: v for k, v in cfg.items() if k != 'type'}
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f'source: {src} ({fmt} layout, {n_source} tensors)')
+    log(f'backbone: {cfg["type"]} ({arch or "inferred"}), {n_params / 1e6:.2f}M params; '
+        f'cfg: {kwargs}')
+    buffers = [k for k in dropped if k.endswith(MODEL_BUFFERS)]
+    log(f'dropped {len(dropped) - len(buffers)} source keys the backbone has no place for: '
+        f'{[k for k in dropped if k not in buffers]}')
+    if buffers:
+        log(f'dropped {len(buffers)} relative_position_index/attn_mask buffers (the model '
+            'computes its own)')
+    fresh = [k for k in initialized if not k.endswith(MODEL_BUFFERS)]
+    if fresh:
+        log(f'{len(fresh)} backbone keys have no source and keep their initial values '
+            f'(output norms): {fresh[:12]}{" ..." if len(fresh) > 12 else ""}')
+    for s in meta['source_schedule']:
+        log(f'progressive norms: {s["count"]} with iter={s["iter"]}/{s["total_step"]} '
+            f'(warm={s["warm"]}) -> schedule_offset '
+            f'{0.0 if meta["reset_schedule"] else s["schedule_offset"]:.4f}')
+    log(f'wrote {n_written} tensors to {dst}')

@@ -1,24 +1,14 @@
-"""Model-level structural re-parameterization."""
-from typing import Dict, List, Tuple
+"""Model-level structural re-parameterization: backbone, then its outputs into the neck."""
+from typing import Callable, Dict, List
 
 import torch
 import torch.nn as nn
+from mmdet.models.necks import FPN
+from mmseg.models.decode_heads import UPerHead
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .layers.affine import FoldableNorm, fold_affine_into_next_conv
-
-
-def deploy_children(module: nn.Module) -> None:
-    """Call ``switch_to_deploy()`` on every descendant, parents before children.
-
-    A parent folds its children first (e.g. a block folds its norm into the next linear and
-    drops the norm), so modules a parent removed are never visited.
-    """
-    for child in list(module.children()):
-        if hasattr(child, 'switch_to_deploy'):
-            child.switch_to_deploy()
-    for child in list(module.children()):
-        deploy_children(child)
+from .layers.deploy import deploy_children
 
 
 def reparameterize(model: nn.Module) -> nn.Module:
@@ -50,41 +40,48 @@ def statistic_modules(model: nn.Module):
     return found
 
 
-def _output_affine_slots(backbone: nn.Module) -> Dict[int, Tuple[nn.Module, str]]:
-    """Backbone output position -> (parent, attribute) of a deployed output affine."""
-    slots = {}
-    if hasattr(backbone, 'out_indices') and hasattr(backbone, 'stages'):  # Swin
-        for pos, i in enumerate(backbone.out_indices):
-            norm = getattr(backbone, f'norm{i}', None)
-            if isinstance(norm, FoldableNorm) and norm.deploy:
-                slots[pos] = (backbone, f'norm{i}')
-    return slots
+def _fpn_laterals(model: nn.Module) -> Dict[int, nn.Module]:
+    neck = model.neck
+    found = {}
+    for i in range(neck.start_level, neck.backbone_end_level):
+        if neck.add_extra_convs == 'on_input' and i == neck.backbone_end_level - 1:
+            continue  # also feeds a padded 3x3 extra conv: not foldable exactly
+        found[i] = neck.lateral_convs[i - neck.start_level]
+    return found
+
+
+def _uperhead_laterals(model: nn.Module) -> Dict[int, nn.Module]:
+    head = model.decode_head
+    if head.input_transform not in (None, 'multiple_select'):
+        return {}
+    aux_inputs = set()
+    aux = getattr(model, 'auxiliary_head', None)
+    for h in (aux if isinstance(aux, nn.ModuleList) else [aux] if aux is not None else []):
+        idx = h.in_index
+        aux_inputs.update(idx if isinstance(idx, (list, tuple)) else [idx])
+    found = {}
+    for lateral, pos in zip(head.lateral_convs, head.in_index[:-1]):
+        if pos not in aux_inputs and list(head.in_index).count(pos) == 1:
+            found[pos] = lateral
+    return found
+
+
+#: Consumers of the backbone outputs whose 1x1 lateral convs can absorb an output affine,
+#: keyed by their exact class (a subclass may route the outputs elsewhere too). Each maps the
+#: model to {output position: the ConvModule that is that output's only consumer}.
+LATERAL_FOLDERS: Dict[type, Callable[[nn.Module], Dict[int, nn.Module]]] = {
+    FPN: _fpn_laterals,
+    UPerHead: _uperhead_laterals,
+}
 
 
 def _lateral_convs(model: nn.Module) -> Dict[int, nn.Module]:
     """Backbone output position -> the ConvModule that is its *only* consumer at inference."""
-    neck = getattr(model, 'neck', None)
-    if neck is not None and type(neck).__name__ == 'FPN':
-        found = {}
-        for i in range(neck.start_level, neck.backbone_end_level):
-            if neck.add_extra_convs == 'on_input' and i == neck.backbone_end_level - 1:
-                continue  # also feeds a padded 3x3 extra conv: not foldable exactly
-            found[i] = neck.lateral_convs[i - neck.start_level]
-        return found
-    head = getattr(model, 'decode_head', None)
-    if neck is None and head is not None and type(head).__name__ == 'UPerHead' and \
-            head.input_transform in (None, 'multiple_select'):
-        aux_inputs = set()
-        aux = getattr(model, 'auxiliary_head', None)
-        for h in (aux if isinstance(aux, nn.ModuleList) else [aux] if aux is not None else []):
-            idx = h.in_index
-            aux_inputs.update(idx if isinstance(idx, (list, tuple)) else [idx])
-        found = {}
-        for lateral, pos in zip(head.lateral_convs, head.in_index[:-1]):
-            if pos not in aux_inputs and list(head.in_index).count(pos) == 1:
-                found[pos] = lateral
-        return found
-    return {}
+    consumer = getattr(model, 'neck', None)
+    if consumer is None:
+        consumer = getattr(model, 'decode_head', None)  # mmseg: the head reads the backbone
+    laterals = LATERAL_FOLDERS.get(type(consumer))
+    return {} if laterals is None else laterals(model)
 
 
 def fold_output_affines_into_neck(model: nn.Module) -> List[int]:
@@ -97,7 +94,7 @@ def fold_output_affines_into_neck(model: nn.Module) -> List[int]:
     backbone = getattr(model, 'backbone', None)
     if backbone is None:
         return []
-    slots = _output_affine_slots(backbone)
+    slots = backbone.output_affines() if hasattr(backbone, 'output_affines') else {}
     folded = []
     for pos, conv_module in _lateral_convs(model).items():
         if pos not in slots or not hasattr(conv_module, 'conv'):
@@ -109,8 +106,8 @@ def fold_output_affines_into_neck(model: nn.Module) -> List[int]:
         if conv.groups != 1 or any(padding) or (conv.bias is None and not isinstance(
                 norm, _BatchNorm)):
             continue
-        parent, attr = slots[pos]
-        scale, shift = getattr(parent, attr).fused_affine()
+        attr = slots[pos]
+        scale, shift = getattr(backbone, attr).fused_affine()
         folded_conv = fold_affine_into_next_conv(conv, scale, shift)
         if conv.bias is None:
             # Keep the structure (no new bias): W t is a constant the BatchNorm after the conv
@@ -120,12 +117,11 @@ def fold_output_affines_into_neck(model: nn.Module) -> List[int]:
                 conv.weight.copy_(folded_conv.weight)
         else:
             conv_module.conv = folded_conv
-        setattr(parent, attr, nn.Identity())
+        setattr(backbone, attr, nn.Identity())
         folded.append(pos)
     if folded:
-        # Its outputs now lack the folded affines: equivalence checks must not compare them.
-        backbone.output_changed_by_fusion = True
-    if folded and hasattr(backbone, 'folded_out_norms'):
+        # Declared state: deploy configs rebuild the backbone with these norms as Identity,
+        # and equivalence checks skip its outputs (see ``fusion_changed_outputs``).
         backbone.folded_out_norms = tuple(sorted(set(backbone.folded_out_norms) | {
             backbone.out_indices[p] for p in folded}))
     return folded

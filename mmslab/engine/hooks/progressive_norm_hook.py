@@ -5,6 +5,7 @@ import torch.nn as nn
 from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
 
+from mmslab.models.layers.repbn import PRepBN
 from mmslab.registry import register_hook
 
 
@@ -27,7 +28,6 @@ def progressive_ratio(model: nn.Module) -> Optional[Tuple[float, float]]:
     """``(min, max)`` of the LayerNorm weight ``g`` over every PRepBN in ``model`` (None if
     there is none). Loaded norms of a converted release sit at 0 while norms that are new
     in detection (the output norms) run their own schedule, so one layer does not tell."""
-    from mmslab.models.layers.repbn import PRepBN
     if is_model_wrapper(model):
         model = model.module
     ratios = [m.ratio for m in model.modules() if isinstance(m, PRepBN) and not m.deploy]

@@ -2,17 +2,19 @@
 import copy
 import json
 import os.path as osp
-import statistics
-import time
 from typing import Optional
 
 import torch
 import torch.nn as nn
+from mmdet.models.detectors import BaseDetector
 from mmengine.dist import all_gather_object, get_world_size, is_main_process
 from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
 
+from mmslab.models.layers.deploy import Reparameterizable
+from mmslab.models.reparam import reparameterize
 from mmslab.registry import register_hook
+from mmslab.utils.timing import latency_stats, timed_ms
 
 
 def _flatten_tensors(obj, out=None):
@@ -51,7 +53,7 @@ def comparable_outputs(model: nn.Module, data: dict):
     Detectors: the neck features (``extract_feat``); their raw head outputs go through
     proposal NMS, where a 1e-7 change may pick other boxes. Segmentors: the logits.
     """
-    if type(model).__module__.startswith('mmdet') and hasattr(model, 'extract_feat'):
+    if isinstance(model, BaseDetector):
         return model.extract_feat(data['inputs'])
     return model(**data, mode='tensor')
 
@@ -61,17 +63,19 @@ def first_divergent_module(unfused: nn.Module, fused: nn.Module, data: dict, tol
     (in execution order, innermost first) whose output differs by more than ``tol``.
 
     Only modules whose output fusion preserves are compared: same name and type in both
-    models, and not a module whose output fusion changes by design (``output_changed_by_fusion``).
+    models, and not one whose output fusion changes by design (named by the
+    ``fusion_changed_outputs()`` of a module above it).
     """
     records = {'u': {}, 'f': {}}
     order = []
     names_f = dict(fused.named_modules())
+    changed = fusion_changed_modules(fused)
     handles = []
     for name, m in unfused.named_modules():
         if not name or name not in names_f:
             continue
         other = names_f[name]
-        if type(other) is not type(m) or getattr(other, 'output_changed_by_fusion', False):
+        if type(other) is not type(m) or name in changed:
             continue
 
         def hook_u(mod, inp, out, name=name):
@@ -104,14 +108,25 @@ def first_divergent_module(unfused: nn.Module, fused: nn.Module, data: dict, tol
     return None
 
 
+def fusion_changed_modules(model: nn.Module) -> set:
+    """Qualified names of the modules of a fused ``model`` whose output differs from the
+    unfused model's by design (see ``Reparameterizable.fusion_changed_outputs``)."""
+    changed = set()
+    for prefix, m in model.named_modules():
+        if isinstance(m, Reparameterizable):
+            changed.update('.'.join(p for p in (prefix, child) if p)
+                           for child in m.fusion_changed_outputs())
+    return changed
+
+
 def _summary(times_ms):
+    """Per-image latency figures of latency.json."""
     if not times_ms:
         return dict(count=0)
-    ordered = sorted(times_ms)
-    p90 = ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
-    mean = statistics.fmean(times_ms)
-    return dict(count=len(times_ms), mean_ms=mean, median_ms=statistics.median(times_ms),
-                p90_ms=p90, images_per_s=1000.0 / mean if mean > 0 else float('inf'))
+    s = latency_stats(times_ms)
+    mean = s['mean_ms']
+    return dict(count=s['count'], mean_ms=mean, median_ms=s['median_ms'], p90_ms=s['p90_ms'],
+                images_per_s=1000.0 / mean if mean > 0 else float('inf'))
 
 
 @register_hook()
@@ -171,7 +186,6 @@ class ReparamEvalHook(Hook):
         was_training = inner.training
         inner.eval()
         if self.reparam:
-            from mmslab.models.reparam import reparameterize
             fused = reparameterize(copy.deepcopy(inner))
         else:
             fused = inner
@@ -216,11 +230,8 @@ class ReparamEvalHook(Hook):
                     order.reverse()
             result = None
             for label, fn in order:
-                sync()
-                t0 = time.perf_counter()
-                out = fn(data_batch)
-                sync()
-                dt = (time.perf_counter() - t0) * 1000.0 / max(n_img, 1)
+                out, dt = timed_ms(lambda: fn(data_batch))
+                dt /= max(n_img, 1)
                 if label == 'fused':
                     result = out
                 if timed_run:
@@ -305,7 +316,3 @@ class ReparamEvalHook(Hook):
     def after_test_epoch(self, runner, metrics=None) -> None:
         self._exit(runner)
 
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()

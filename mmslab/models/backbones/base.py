@@ -1,16 +1,45 @@
 """Behaviour shared by mmslab backbones."""
+import copy
+
 import torch.nn as nn
 from mmengine.logging import MMLogger
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..checkpoint_utils import load_pretrained_backbone
+from ..layers.deploy import Reparameterizable, deploy_children
+from ..layers.repbn import SLAB_PREPBN_STEPS
+from ..layers.unified_norm import UN
+
 BN_STATS = ('train', 'frozen')
 
+#: The norm of the SLAB presets (PRepBN-*, SLAB-*): progressive PRepBN over the SLAB authors'
+#: ImageNet decay length. Detection and segmentation configs set their own ``step``.
+SLAB_NORM_CFG = dict(type='PRepBN', step=SLAB_PREPBN_STEPS)
 
-class ReparamBackboneMixin:
+
+class BackbonePreset:
+    """Mixin of preset backbones (``class SLABSwin(BackbonePreset, ReparamSwinTransformer)``):
+    the parent's constructor with the defaults in ``preset``, each overridable by a keyword
+    (like mmpretrain's ``arch_settings``, timm's ``model_args``)."""
+
+    preset: dict = {}
+
+    def __init__(self, **kwargs):
+        super().__init__(**{**copy.deepcopy(self.preset), **kwargs})
+
+
+class ReparamBackboneMixin(Reparameterizable):
     """BN-statistics policy, pretrained loading and the deploy switch of mmslab backbones.
 
-    Expects ``self.bn_stats`` and ``self.init_cfg``.
+    Expects ``self.bn_stats``, ``self.init_cfg`` and ``self.deploy``.
+
+    Attributes:
+        folded_out_norms: output indices whose norm :func:`mmslab.reparameterize` folded
+            into the neck (their outputs then lack it); none unless the backbone has output
+            norms to fold (see :meth:`output_affines`).
     """
+
+    folded_out_norms = ()
 
     def _apply_bn_stats_policy(self, mode: bool) -> None:
         """Keep BatchNorm-type layers in eval mode where the statistics policy freezes them:
@@ -18,7 +47,6 @@ class ReparamBackboneMixin:
         ``out_bn_stats='frozen'`` (``None``: as the body)."""
         if not mode:
             return
-        from ..layers.unified_norm import UN
         out_norms = set(self._output_norms())
         out_policy = getattr(self, 'out_bn_stats', None) or self.bn_stats
 
@@ -39,12 +67,20 @@ class ReparamBackboneMixin:
         """The norms applied to the returned feature maps only (none by default)."""
         return []
 
+    def output_affines(self) -> dict:
+        """Output position -> attribute name of a deployed per-channel output affine that
+        :func:`mmslab.reparameterize` may fold into the neck (none by default)."""
+        return {}
+
+    def fusion_changed_outputs(self):
+        # Outputs whose norm moved into the neck are returned without it.
+        return ('', ) if self.folded_out_norms else ()
+
     def _load_pretrained(self) -> bool:
         """Load ``init_cfg=dict(type='Pretrained', checkpoint=..., prefix=...,
         reset_schedule=False, allow_uninitialized=False)``; returns whether it did."""
         if self.init_cfg is None or self.init_cfg.get('type') != 'Pretrained':
             return False
-        from ..checkpoint_utils import load_pretrained_backbone
         known = {'type', 'checkpoint', 'prefix', 'reset_schedule', 'allow_uninitialized',
                  'map_location'}
         unknown = set(self.init_cfg) - known
@@ -59,13 +95,9 @@ class ReparamBackboneMixin:
                                                                        False))
         return True
 
-    def switch_to_deploy(self) -> None:
+    def _switch_to_deploy(self) -> None:
         """Fold every foldable structure (see :func:`mmslab.reparameterize`)."""
-        if self.training:
-            raise RuntimeError('switch_to_deploy() needs eval mode: call model.eval() first')
-        from ..reparam import deploy_children
         deploy_children(self)
-        self.deploy = True
 
 
 def check_bn_stats(bn_stats: str) -> str:
@@ -78,3 +110,20 @@ def freeze_module(m: nn.Module) -> None:
     m.eval()
     for p in m.parameters():
         p.requires_grad = False
+
+
+def init_cfg_from_pretrained(pretrained, init_cfg):
+    """mmdet's deprecated ``pretrained=path`` as ``init_cfg=dict(type='Pretrained', ...)``."""
+    if pretrained is None:
+        return init_cfg
+    if init_cfg is not None:
+        raise ValueError('init_cfg and pretrained cannot be set at the same time')
+    return dict(type='Pretrained', checkpoint=pretrained)
+
+
+def per_stage(value, num_stages: int, what: str) -> tuple:
+    """A per-stage setting given once (repeated) or as a sequence of one entry per stage."""
+    values = tuple(value) if isinstance(value, (list, tuple)) else (value, ) * num_stages
+    if len(values) != num_stages:
+        raise ValueError(f'{what} needs one entry per stage ({num_stages}), got {value!r}')
+    return values

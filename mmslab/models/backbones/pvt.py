@@ -21,12 +21,15 @@ from torch import Tensor
 from mmslab.registry import register_model
 from ..layers.affine import (FoldableNorm, fold_affine_into_next_conv,
                              fold_affine_into_next_linear, fold_affine_into_weight)
+from ..layers.builder import build_norm, check_norm_cfg, is_foldable_norm, resolve_layer_type
+from ..layers.deploy import Reparameterizable
 from ..layers.linear_attention import SLA
-from ..layers.norm import build_norm, check_norm_cfg, is_foldable_norm
 from ..layers.patch import PatchEmbed
-from .base import ReparamBackboneMixin, check_bn_stats, freeze_module
+from .base import (SLAB_NORM_CFG, BackbonePreset, ReparamBackboneMixin, check_bn_stats,
+                   freeze_module, init_cfg_from_pretrained, per_stage)
 
-PVT_ATTENTION_TYPES = ('softmax', 'sla')
+#: ``attn_types`` names of the PVT configs -> registered PVT attentions.
+PVT_ATTENTION_ALIASES = {'softmax': 'SpatialReductionAttention', 'sla': 'GlobalSLA'}
 
 
 class MHAProjections(nn.Module):
@@ -41,14 +44,36 @@ class MHAProjections(nn.Module):
         nn.init.xavier_uniform_(self.in_proj_weight)
 
 
-class SpatialReductionAttention(nn.Module):
-    """PVT's attention: keys/values from a strided-conv reduced map, then a norm.
+class PVTAttention(nn.Module):
+    """Base of the attentions a PVT block holds (``attn_types``), built with one signature:
+    ``(embed_dims, num_heads, sr_ratio, grid, qkv_bias, attn_drop, proj_drop, norm_cfg,
+    deploy)``. ``absorb_input_affine`` folds the block's ``norm1`` into the input projections.
 
     Shape: ``[B, H*W, C]`` (normalized tokens) -> ``[B, H*W, C]`` (before the residual).
     """
 
+    def absorb_input_affine(self, scale: Tensor, shift: Tensor) -> None:
+        raise NotImplementedError
+
+
+def get_pvt_attention(attn_type):
+    """``'softmax'`` / ``'sla'`` / a registered :class:`PVTAttention` / a class -> the class."""
+    return resolve_layer_type(attn_type, PVTAttention, PVT_ATTENTION_ALIASES, 'attention type')
+
+
+@register_model()
+class SpatialReductionAttention(Reparameterizable, PVTAttention):
+    """PVT's attention: keys/values from a strided-conv reduced map, then a norm.
+
+    ``grid`` is not used (the attention is global); deploy folds the norm of the reduced map
+    into the k/v rows of the input projection.
+    """
+
+    needs_eval_mode = False  # the PVTBlock that holds it refuses training mode
+
     def __init__(self, embed_dims: int, num_heads: int, sr_ratio: int = 1,
-                 qkv_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0,
+                 grid: Optional[Tuple[int, int]] = None, qkv_bias: bool = True,
+                 attn_drop: float = 0.0, proj_drop: float = 0.0,
                  norm_cfg: Optional[dict] = None, deploy: bool = False):
         super().__init__()
         self.embed_dims, self.num_heads, self.sr_ratio = embed_dims, num_heads, sr_ratio
@@ -99,10 +124,7 @@ class SpatialReductionAttention(nn.Module):
         self.attn.in_proj_weight.data[rows] = new_w
         self.attn.in_proj_bias.data[rows] = new_b
 
-    @torch.no_grad()
-    def switch_to_deploy(self) -> None:
-        if self.deploy:
-            return
+    def _switch_to_deploy(self) -> None:
         if self.sr_ratio > 1 and isinstance(self.norm, FoldableNorm):
             c = self.embed_dims
             w, b = self.attn.in_proj_weight, self.attn.in_proj_bias
@@ -110,22 +132,27 @@ class SpatialReductionAttention(nn.Module):
                                                   *self.norm.fused_affine())
             self._set_rows(slice(c, 3 * c), new_w, new_b)
             self.norm = nn.Identity()
-        self.deploy = True
 
 
-class GlobalSLA(nn.Module):
+@register_model()
+class GlobalSLA(PVTAttention):
     """SLA over the whole feature map (no spatial reduction), for SLAB-PVT stages.
 
-    The positional encoding is learned for the pre-training grid and bilinearly resized to
+    The positional encoding is learned for the pre-training ``grid`` and bilinearly resized to
     the input's grid whenever the two differ (smaller or larger, like PVT's absolute position
-    embedding). Shape: ``[B, H*W, C]`` -> ``[B, H*W, C]``.
+    embedding). ``sr_ratio`` and ``attn_drop`` do not apply (no reduction, no softmax; the
+    SLAB authors' SLA-PVT stages ignore them too); ``norm_cfg`` tells whether the block's norm
+    is folded into ``qkv`` in deploy form (which then has a bias).
     """
 
-    def __init__(self, embed_dims: int, num_heads: int, grid: Tuple[int, int],
-                 qkv_bias: bool = True, proj_drop: float = 0.0, deploy: bool = False):
+    def __init__(self, embed_dims: int, num_heads: int, sr_ratio: int = 1,
+                 grid: Optional[Tuple[int, int]] = None, qkv_bias: bool = True,
+                 attn_drop: float = 0.0, proj_drop: float = 0.0,
+                 norm_cfg: Optional[dict] = None, deploy: bool = False):
         super().__init__()
-        self.kernel = SLA(embed_dims, num_heads, grid, qkv_bias=qkv_bias, proj_drop=proj_drop,
-                          resize_pos=True)
+        fold = deploy and is_foldable_norm(norm_cfg or dict(type='LN'))
+        self.kernel = SLA(embed_dims, num_heads, grid, qkv_bias=qkv_bias or fold,
+                          proj_drop=proj_drop, resize_pos=True)
         self.deploy = deploy
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
@@ -158,7 +185,7 @@ class MixFFN(nn.Module):
         self.layers[0] = fold_affine_into_next_conv(self.layers[0], scale, shift)
 
 
-class PVTBlock(nn.Module):
+class PVTBlock(Reparameterizable, nn.Module):
     """``x + DropPath(attn(norm1(x)))``, ``x + DropPath(ffn(norm2(x)))``."""
 
     def __init__(self, embed_dims: int, num_heads: int, feedforward_channels: int,
@@ -168,12 +195,9 @@ class PVTBlock(nn.Module):
         super().__init__()
         fold = deploy and is_foldable_norm(norm_cfg)
         self.norm1 = nn.Identity() if fold else build_norm(norm_cfg, embed_dims, deploy=deploy)
-        if attn_type == 'softmax':
-            self.attn = SpatialReductionAttention(embed_dims, num_heads, sr_ratio, qkv_bias,
-                                                  attn_drop_rate, drop_rate, norm_cfg, deploy)
-        else:
-            self.attn = GlobalSLA(embed_dims, num_heads, grid, qkv_bias or fold, drop_rate,
-                                  deploy)
+        self.attn = get_pvt_attention(attn_type)(
+            embed_dims, num_heads, sr_ratio=sr_ratio, grid=grid, qkv_bias=qkv_bias,
+            attn_drop=attn_drop_rate, proj_drop=drop_rate, norm_cfg=norm_cfg, deploy=deploy)
         self.norm2 = nn.Identity() if fold else build_norm(norm_cfg, embed_dims, deploy=deploy)
         self.ffn = MixFFN(embed_dims, feedforward_channels, act_cfg, drop_rate)
         self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0 else nn.Identity()
@@ -183,19 +207,13 @@ class PVTBlock(nn.Module):
         x = x + self.drop_path(self.attn(self.norm1(x), hw_shape))
         return x + self.drop_path(self.ffn(self.norm2(x)))
 
-    @torch.no_grad()
-    def switch_to_deploy(self) -> None:
-        if self.deploy:
-            return
-        if self.training:
-            raise RuntimeError('PVTBlock.switch_to_deploy() needs eval mode')
+    def _switch_to_deploy(self) -> None:
         if isinstance(self.norm1, FoldableNorm):
             self.attn.absorb_input_affine(*self.norm1.fused_affine())
             self.norm1 = nn.Identity()
         if isinstance(self.norm2, FoldableNorm):
             self.ffn.absorb_input_affine(*self.norm2.fused_affine())
             self.norm2 = nn.Identity()
-        self.deploy = True
 
 
 class AbsolutePositionEmbedding(nn.Module):
@@ -228,7 +246,11 @@ class ReparamPVT(ReparamBackboneMixin, BaseModule):
     :class:`ReparamSwinTransformer`. Returns a tuple of NCHW maps (strides 4, 8, 16, 32).
     """
 
-    arch_zoo = {'tiny': (2, 2, 2, 2), 'small': (3, 4, 6, 3), 'medium': (3, 4, 18, 3)}
+    arch_zoo = {
+        'tiny': dict(num_layers=(2, 2, 2, 2)),
+        'small': dict(num_layers=(3, 4, 6, 3)),
+        'medium': dict(num_layers=(3, 4, 18, 3)),
+    }
 
     def __init__(self, arch: str = 'tiny', pretrain_img_size=224, in_channels: int = 3,
                  embed_dims: int = 64, num_layers: Optional[Sequence[int]] = None,
@@ -240,22 +262,20 @@ class ReparamPVT(ReparamBackboneMixin, BaseModule):
                  norm_cfg: Optional[dict] = None, attn_types=('softmax', ) * 4,
                  bn_stats: str = 'train', frozen_stages: int = -1, pretrained=None,
                  convert_weights: bool = True, deploy: bool = False, init_cfg=None):
+        # Accepted so that configs written for mmdet's PVT build unchanged; every checkpoint
+        # layout is converted on loading (see mmslab.models.converters).
+        del convert_weights
         if arch not in self.arch_zoo:
             raise ValueError(f'unknown arch {arch!r}; valid: {tuple(self.arch_zoo)}')
-        if pretrained is not None:
-            if init_cfg is not None:
-                raise ValueError('init_cfg and pretrained cannot be set at the same time')
-            init_cfg = dict(type='Pretrained', checkpoint=pretrained)
-        super().__init__(init_cfg=init_cfg)
-        num_layers = tuple(num_layers or self.arch_zoo[arch])
+        super().__init__(init_cfg=init_cfg_from_pretrained(pretrained, init_cfg))
+        num_layers = tuple(num_layers or self.arch_zoo[arch]['num_layers'])
         n = len(num_layers)
         if not -1 <= frozen_stages < n:
             raise ValueError(f'frozen_stages must be in [-1, {n - 1}] for {n} stages (-1: none), '
                              f'got {frozen_stages}')
-        attn_types = (attn_types, ) * n if isinstance(attn_types, str) else tuple(attn_types)
+        attn_types = per_stage(attn_types, n, 'attn_types')
         for t in attn_types:
-            if t not in PVT_ATTENTION_TYPES:
-                raise ValueError(f'unknown attention type {t!r}; valid: {PVT_ATTENTION_TYPES}')
+            get_pvt_attention(t)
         if not (len(num_heads) == len(patch_sizes) == len(strides) == len(sr_ratios) ==
                 len(mlp_ratios) == len(attn_types) == n):
             raise ValueError('num_layers, num_heads, patch_sizes, strides, sr_ratios, '
@@ -268,7 +288,7 @@ class ReparamPVT(ReparamBackboneMixin, BaseModule):
             pretrain_img_size)
         self.out_indices, self.bn_stats, self.frozen_stages = tuple(out_indices), bn_stats, \
             frozen_stages
-        self.convert_weights, self.deploy, self.attn_types = convert_weights, deploy, attn_types
+        self.deploy, self.attn_types = deploy, attn_types
         dpr = torch.linspace(0, drop_path_rate, sum(num_layers)).tolist()
         self.layers = nn.ModuleList()
         self.num_features = []
@@ -327,20 +347,15 @@ class ReparamPVT(ReparamBackboneMixin, BaseModule):
 
 
 @register_model()
-class PRepBNPVT(ReparamPVT):
+class PRepBNPVT(BackbonePreset, ReparamPVT):
     """PVT v1 with every LayerNorm replaced by progressive PRepBN (SLAB)."""
 
-    def __init__(self, **kwargs):
-        kwargs.setdefault('norm_cfg', dict(type='PRepBN', step=300000))
-        super().__init__(**kwargs)
+    preset = dict(norm_cfg=SLAB_NORM_CFG)
 
 
 @register_model()
-class SLABPVT(ReparamPVT):
+class SLABPVT(BackbonePreset, ReparamPVT):
     """SLAB-PVT: PRepBN everywhere and global SLA (no spatial reduction) in all four stages,
     as in the SLAB authors' released SLAB-PVT models (their ``ATTN_TYPE: LLLL``)."""
 
-    def __init__(self, **kwargs):
-        kwargs.setdefault('norm_cfg', dict(type='PRepBN', step=300000))
-        kwargs.setdefault('attn_types', ('sla', ) * 4)
-        super().__init__(**kwargs)
+    preset = dict(norm_cfg=SLAB_NORM_CFG, attn_types=('sla', ) * 4)

@@ -15,22 +15,23 @@ from mmengine.model.weight_init import constant_init, trunc_normal_init
 from torch import Tensor
 
 from mmslab.registry import register_model
-from ..layers.affine import FoldableNorm, fold_affine_into_next_linear
-from ..layers.ffn import ChannelIdleFFN, SwinFFN
-from ..layers.norm import build_norm, check_norm_cfg, is_foldable_norm
+from ..layers.affine import FoldableNorm
+from ..layers.builder import (build_norm, check_norm_cfg, get_ffn, get_window_attention,
+                              is_foldable_norm)
+from ..layers.deploy import Reparameterizable
 from ..layers.patch import PatchEmbed, PatchMerging
-from ..layers.shift_window import ATTENTION_TYPES, ShiftWindowAttention
-from .base import ReparamBackboneMixin, check_bn_stats, freeze_module
+from ..layers.shift_window import ShiftWindowAttention
+from .base import (SLAB_NORM_CFG, BackbonePreset, ReparamBackboneMixin, check_bn_stats,
+                   freeze_module, init_cfg_from_pretrained, per_stage)
 
-FFN_TYPES = ('mlp', 'channel_idle')
 
-
-class SwinBlock(nn.Module):
+class SwinBlock(Reparameterizable, nn.Module):
     """``x + DropPath(attn(norm1(x)))`` then the FFN with its residual.
 
-    ``ffn_type='mlp'``: ``x + DropPath(ffn(norm2(x)))``. ``ffn_type='channel_idle'``: the
-    FFN carries its own BatchNorms and residual (RePaFormer), so there is no ``norm2``.
-    In deploy form ``norm1`` lives in the attention's qkv and ``norm2`` in the FFN's fc1.
+    ``ffn_type='mlp'``: ``x + DropPath(ffn(norm2(x)))``. An FFN that ``includes_residual``
+    (``'channel_idle'``, RePaFormer) carries its own BatchNorms and residual, so there is no
+    ``norm2``. In deploy form ``norm1`` lives in the attention's qkv and ``norm2`` in the FFN's
+    fc1.
 
     Shape: ``[B, H*W, C]`` -> ``[B, H*W, C]``.
     """
@@ -43,8 +44,7 @@ class SwinBlock(nn.Module):
                  norm_cfg: Optional[dict] = None, with_cp: bool = False, deploy: bool = False):
         super().__init__()
         norm_cfg = norm_cfg or dict(type='LN')
-        if ffn_type not in FFN_TYPES:
-            raise ValueError(f'unknown ffn_type {ffn_type!r}; valid types: {FFN_TYPES}')
+        ffn_cls = get_ffn(ffn_type)
         self.with_cp = with_cp
         self.ffn_type = ffn_type
         self.deploy = deploy
@@ -54,51 +54,40 @@ class SwinBlock(nn.Module):
             embed_dims, num_heads, window_size, shift=shift, attn_type=attn_type,
             qkv_bias=qkv_bias or fold, qk_scale=qk_scale, attn_drop=attn_drop_rate,
             proj_drop=drop_rate, deploy=deploy)
-        if fold and not self.attn.w_msa.masks_padding:
-            # Padded tokens must keep the value a zero *normalized* token has after qkv.
-            self.attn.w_msa.register_buffer('qkv_pad', torch.zeros(3 * embed_dims))
+        if fold:
+            self.attn.w_msa.expect_folded_input_norm()
         self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0 else nn.Identity()
-        if ffn_type == 'mlp':
+        if ffn_cls.includes_residual:
+            self.norm2 = None  # the FFN normalizes its own input
+            self.ffn = ffn_cls(embed_dims, feedforward_channels, idle_ratio, act_cfg,
+                               drop_rate, drop_path_rate, deploy=deploy)
+        else:
             self.norm2 = nn.Identity() if fold else build_norm(norm_cfg, embed_dims,
                                                                deploy=deploy)
-            self.ffn = SwinFFN(embed_dims, feedforward_channels, act_cfg, drop_rate)
-        else:
-            self.ffn = ChannelIdleFFN(embed_dims, feedforward_channels, idle_ratio, act_cfg,
-                                      drop_rate, drop_path_rate, deploy=deploy)
+            self.ffn = ffn_cls(embed_dims, feedforward_channels, act_cfg, drop_rate)
 
     def _forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
         x = x + self.drop_path(self.attn(self.norm1(x), hw_shape))
-        if self.ffn_type == 'mlp':
-            return x + self.drop_path(self.ffn(self.norm2(x)))
-        return self.ffn(x)
+        if self.ffn.includes_residual:
+            return self.ffn(x)
+        return x + self.drop_path(self.ffn(self.norm2(x)))
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
         if self.with_cp and x.requires_grad and self.training:
             return cp.checkpoint(self._forward, x, hw_shape, use_reentrant=False)
         return self._forward(x, hw_shape)
 
-    @torch.no_grad()
-    def switch_to_deploy(self) -> None:
-        if self.deploy:
-            return
-        if self.training:
-            raise RuntimeError('SwinBlock.switch_to_deploy() needs eval mode')
+    def _switch_to_deploy(self) -> None:
         kernel = self.attn.w_msa
         if isinstance(self.norm1, FoldableNorm):
-            if not kernel.masks_padding:
-                qkv = kernel.qkv
-                pad = qkv.bias.detach().clone() if qkv.bias is not None else \
-                    qkv.weight.new_zeros(qkv.out_features)
-                kernel.register_buffer('qkv_pad', pad)
-            kernel.qkv = fold_affine_into_next_linear(kernel.qkv, *self.norm1.fused_affine())
+            kernel.absorb_input_affine(*self.norm1.fused_affine())
             self.norm1 = nn.Identity()
-        if self.ffn_type == 'mlp' and isinstance(self.norm2, FoldableNorm):
+        if isinstance(self.norm2, FoldableNorm):
             self.ffn.absorb_input_affine(*self.norm2.fused_affine())
             self.norm2 = nn.Identity()
         for m in (kernel, self.ffn):
             if hasattr(m, 'switch_to_deploy'):
                 m.switch_to_deploy()
-        self.deploy = True
 
 
 class SwinStage(nn.Module):
@@ -176,13 +165,14 @@ class ReparamSwinTransformer(ReparamBackboneMixin, BaseModule):
                  with_cp: bool = False, pretrained=None, convert_weights: bool = False,
                  frozen_stages: int = -1, deploy: bool = False, folded_out_norms=(),
                  init_cfg=None):
+        # pretrain_img_size and convert_weights are accepted so that configs written for
+        # mmdet's SwinTransformer build unchanged; neither matters here: no absolute position
+        # embedding depends on the image size, and every checkpoint layout is converted on
+        # loading (see mmslab.models.converters).
+        del pretrain_img_size, convert_weights
         if arch not in self.arch_zoo:
             raise ValueError(f'unknown arch {arch!r}; valid: {tuple(self.arch_zoo)}')
-        if pretrained is not None:
-            if init_cfg is not None:
-                raise ValueError('init_cfg and pretrained cannot be set at the same time')
-            init_cfg = dict(type='Pretrained', checkpoint=pretrained)
-        super().__init__(init_cfg=init_cfg)
+        super().__init__(init_cfg=init_cfg_from_pretrained(pretrained, init_cfg))
         preset = self.arch_zoo[arch]
         embed_dims = embed_dims or preset['embed_dims']
         depths = tuple(depths or preset['depths'])
@@ -191,20 +181,23 @@ class ReparamSwinTransformer(ReparamBackboneMixin, BaseModule):
         if len(num_heads) != num_stages or len(strides) != num_stages:
             raise ValueError(f'depths {depths}, num_heads {num_heads} and strides {strides} '
                              'must have one entry per stage')
-        window_sizes = tuple(window_size) if isinstance(window_size, (list, tuple)) else (
-            window_size, ) * num_stages
-        attn_types = (attn_types, ) * num_stages if isinstance(attn_types, str) else tuple(
-            attn_types)
-        if len(window_sizes) != num_stages or len(attn_types) != num_stages:
-            raise ValueError('window_size and attn_types need one entry per stage')
+        window_sizes = per_stage(window_size, num_stages, 'window_size')
+        attn_types = per_stage(attn_types, num_stages, 'attn_types')
         for t in attn_types:
-            if t not in ATTENTION_TYPES:
-                raise ValueError(f'unknown attention type {t!r}; valid: {tuple(ATTENTION_TYPES)}')
+            get_window_attention(t)
         check_bn_stats(bn_stats)
         if use_abs_pos_embed:
             raise ValueError('use_abs_pos_embed is not supported (Swin detectors do not use it)')
         if not all(0 <= i < num_stages for i in out_indices):
             raise ValueError(f'out_indices {out_indices} out of range for {num_stages} stages')
+        if not -1 <= frozen_stages <= num_stages:
+            raise ValueError(f'frozen_stages must be in [-1, {num_stages}] for {num_stages} '
+                             f'stages (-1: none, 0: patch embedding, i: also stages 1..i), '
+                             f'got {frozen_stages}')
+        if strides[0] != patch_size:
+            raise ValueError('the first stride must equal patch_size')
+        if any(s != 2 for s in strides[1:]):
+            raise ValueError('patch merging downsamples by 2: strides[1:] must be 2')
         self.norm_cfg = check_norm_cfg(copy.deepcopy(norm_cfg or dict(type='LN')))
         self.out_norm_cfg = check_norm_cfg(copy.deepcopy(out_norm_cfg or self.norm_cfg),
                                            'out_norm_cfg')
@@ -212,49 +205,59 @@ class ReparamSwinTransformer(ReparamBackboneMixin, BaseModule):
             num_heads
         self.window_sizes, self.attn_types = window_sizes, attn_types
         self.out_indices = tuple(out_indices)
-        if not -1 <= frozen_stages <= num_stages:
-            raise ValueError(f'frozen_stages must be in [-1, {num_stages}] for {num_stages} '
-                             f'stages (-1: none, 0: patch embedding, i: also stages 1..i), '
-                             f'got {frozen_stages}')
         self.frozen_stages = frozen_stages
         self.bn_stats = bn_stats
         self.out_bn_stats = None if out_bn_stats is None else check_bn_stats(out_bn_stats)
-        self.convert_weights = convert_weights
-        self.pretrain_img_size = pretrain_img_size
         self.deploy = deploy
-        if strides[0] != patch_size:
-            raise ValueError('the first stride must equal patch_size')
 
         self.patch_embed = PatchEmbed(in_channels, embed_dims, patch_size, strides[0],
                                       self.norm_cfg if patch_norm else None, deploy=deploy)
         self.drop_after_pos = nn.Dropout(drop_rate)
+        block_kwargs = dict(
+            mlp_ratio=mlp_ratio, ffn_type=ffn_type, idle_ratio=idle_ratio, qkv_bias=qkv_bias,
+            qk_scale=qk_scale, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
+            act_cfg=act_cfg, with_cp=with_cp)
+        self._build_stages(block_kwargs, drop_path_rate)
+        self._build_out_norms(folded_out_norms)
+
+    def _build_stages(self, block_kwargs: dict, drop_path_rate: float) -> None:
+        """``stages`` (blocks + patch merging) and ``num_features``, the width per stage."""
+        depths = self.depths
+        mlp_ratio = block_kwargs.pop('mlp_ratio')
         dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
         self.stages = nn.ModuleList()
-        in_ch = embed_dims
         self.num_features = []
-        for i in range(num_stages):
-            block_kwargs = dict(
-                embed_dims=in_ch, num_heads=num_heads[i],
-                feedforward_channels=int(mlp_ratio * in_ch), window_size=window_sizes[i],
-                attn_type=attn_types[i], ffn_type=ffn_type, idle_ratio=idle_ratio,
-                qkv_bias=qkv_bias, qk_scale=qk_scale, drop_rate=drop_rate,
-                attn_drop_rate=attn_drop_rate, act_cfg=act_cfg, with_cp=with_cp)
-            out_ch = in_ch * 2 if i < num_stages - 1 else None
-            if out_ch is not None and strides[i + 1] != 2:
-                raise ValueError('patch merging downsamples by 2: strides[1:] must be 2')
-            self.stages.append(SwinStage(depths[i], out_ch, block_kwargs,
+        in_ch = self.embed_dims
+        for i, depth in enumerate(depths):
+            out_ch = in_ch * 2 if i < len(depths) - 1 else None
+            stage_kwargs = dict(
+                block_kwargs, embed_dims=in_ch, num_heads=self.num_heads[i],
+                feedforward_channels=int(mlp_ratio * in_ch), window_size=self.window_sizes[i],
+                attn_type=self.attn_types[i])
+            self.stages.append(SwinStage(depth, out_ch, stage_kwargs,
                                          dpr[sum(depths[:i]):sum(depths[:i + 1])],
-                                         self.norm_cfg, deploy=deploy))
+                                         self.norm_cfg, deploy=self.deploy))
             self.num_features.append(in_ch)
             in_ch = out_ch or in_ch
-        # Output norms that mmslab.reparameterize folded into the neck's lateral convs.
+
+    def _build_out_norms(self, folded_out_norms) -> None:
+        """``norm{i}`` for every output; ``folded_out_norms``: those that
+        :func:`mmslab.reparameterize` folded into the neck's lateral convs (Identity here)."""
         self.folded_out_norms = tuple(folded_out_norms)
-        if self.folded_out_norms and not deploy:
+        if self.folded_out_norms and not self.deploy:
             raise ValueError('folded_out_norms is only meaningful with deploy=True')
         for i in self.out_indices:
             norm = nn.Identity() if i in self.folded_out_norms else build_norm(
-                self.out_norm_cfg, self.num_features[i], deploy=deploy, what='out_norm_cfg')
+                self.out_norm_cfg, self.num_features[i], deploy=self.deploy,
+                what='out_norm_cfg')
             self.add_module(f'norm{i}', norm)
+
+    def output_affines(self):
+        """Output position -> attribute name of its deployed per-channel output affine (what
+        :func:`mmslab.reparameterize` may fold into a neck)."""
+        return {pos: f'norm{i}' for pos, i in enumerate(self.out_indices)
+                if isinstance(getattr(self, f'norm{i}'), FoldableNorm)
+                and getattr(self, f'norm{i}').deploy}
 
     # -- training-mode policy -------------------------------------------------------------
     def train(self, mode: bool = True):
@@ -304,38 +307,26 @@ class ReparamSwinTransformer(ReparamBackboneMixin, BaseModule):
         return tuple(outs)
 
 
-def _preset_defaults(defaults: dict, kwargs: dict) -> dict:
-    merged = copy.deepcopy(defaults)
-    merged.update(kwargs)
-    return merged
-
-
 @register_model()
-class PRepBNSwin(ReparamSwinTransformer):
+class PRepBNSwin(BackbonePreset, ReparamSwinTransformer):
     """Swin with every LayerNorm replaced by progressive PRepBN (the SLAB detection setting)."""
 
-    def __init__(self, **kwargs):
-        super().__init__(**_preset_defaults(
-            dict(norm_cfg=dict(type='PRepBN', step=300000)), kwargs))
+    preset = dict(norm_cfg=SLAB_NORM_CFG)
 
 
 @register_model()
-class SLABSwin(ReparamSwinTransformer):
+class SLABSwin(BackbonePreset, ReparamSwinTransformer):
     """SLAB-Swin: PRepBN everywhere, SLA in stages 1-2 (windows 56 and 28, shifted on odd
     blocks), shifted-window softmax attention in stages 3-4 (window 7)."""
 
-    def __init__(self, **kwargs):
-        super().__init__(**_preset_defaults(
-            dict(norm_cfg=dict(type='PRepBN', step=300000), window_size=(56, 28, 7, 7),
-                 attn_types=('sla', 'sla', 'window', 'window')), kwargs))
+    preset = dict(norm_cfg=SLAB_NORM_CFG, window_size=(56, 28, 7, 7),
+                  attn_types=('sla', 'sla', 'window', 'window'))
 
 
 @register_model()
-class RePaSwin(ReparamSwinTransformer):
+class RePaSwin(BackbonePreset, ReparamSwinTransformer):
     """RePa-Swin: channel-idle FFN (BN inside, ``idle_ratio`` 0.75) with LayerNorm before
     attention, as in the authors' model. Pass ``norm_cfg=dict(type='PRepBN', ...)`` for the
     fully fusable variant."""
 
-    def __init__(self, **kwargs):
-        super().__init__(**_preset_defaults(
-            dict(ffn_type='channel_idle', idle_ratio=0.75, norm_cfg=dict(type='LN')), kwargs))
+    preset = dict(ffn_type='channel_idle', idle_ratio=0.75, norm_cfg=dict(type='LN'))

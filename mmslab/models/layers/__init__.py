@@ -1,19 +1,23 @@
 from .affine import (FoldableNorm, fold_affine_into_next_conv, fold_affine_into_next_linear,
                      fold_affine_into_prev, fold_affine_into_weight)
-from .ffn import ChannelIdleFFN, SwinFFN
+from .builder import (build_norm, build_window_attention, check_norm_cfg, get_ffn,
+                      get_norm_layer, get_window_attention, is_foldable_norm)
+from .deploy import Reparameterizable, deploy_children
+from .ffn import BlockFFN, ChannelIdleFFN, SwinFFN
 from .linear_attention import SLA, BiNormAttention
-from .norm import NORM_TYPES, build_norm, is_foldable_norm
 from .patch import PatchEmbed, PatchMerging
 from .repbn import PRepBN, RepBN
-from .shift_window import ATTENTION_TYPES, ShiftWindowAttention
+from .shift_window import ShiftWindowAttention
 from .token_bn import TokenBN
 from .unified_norm import UN
-from .window_attention import WindowMSA
+from .window_attention import WindowKernelBase, WindowMSA
 
 __all__ = [
     'FoldableNorm', 'fold_affine_into_next_conv', 'fold_affine_into_weight',
-    'fold_affine_into_next_linear', 'fold_affine_into_prev', 'ChannelIdleFFN', 'SwinFFN', 'SLA',
-    'BiNormAttention', 'NORM_TYPES', 'build_norm', 'is_foldable_norm', 'PatchEmbed',
-    'PatchMerging', 'PRepBN', 'RepBN', 'ATTENTION_TYPES', 'ShiftWindowAttention', 'TokenBN',
-    'UN', 'WindowMSA'
+    'fold_affine_into_next_linear', 'fold_affine_into_prev', 'build_norm',
+    'build_window_attention', 'check_norm_cfg', 'get_ffn', 'get_norm_layer',
+    'get_window_attention', 'is_foldable_norm', 'Reparameterizable', 'deploy_children',
+    'BlockFFN', 'ChannelIdleFFN', 'SwinFFN', 'SLA', 'BiNormAttention', 'PatchEmbed',
+    'PatchMerging', 'PRepBN', 'RepBN', 'ShiftWindowAttention', 'TokenBN', 'UN',
+    'WindowKernelBase', 'WindowMSA'
 ]

@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from .deploy import Reparameterizable
+
 DATA_FORMATS = ('channels_last', 'channels_first')
 
 
@@ -26,7 +28,7 @@ def _broadcast(v: Tensor, x: Tensor, data_format: str) -> Tensor:
     return v.view(-1, *([1] * (x.dim() - 2)))
 
 
-class FoldableNorm(nn.Module):
+class FoldableNorm(Reparameterizable, nn.Module):
     """Base class of normalizations that are a per-channel affine at inference.
 
     Subclasses implement ``forward_train`` (the training-time computation, also used in eval
@@ -69,14 +71,8 @@ class FoldableNorm(nn.Module):
                                  _broadcast(self.weight, x, self.data_format))
         return self.forward_train(x)
 
-    @torch.no_grad()
-    def switch_to_deploy(self) -> None:
-        """Replace the statistics by their per-channel affine (idempotent, eval mode only)."""
-        if self.deploy:
-            return
-        if self.training:
-            raise RuntimeError(f'{type(self).__name__}.switch_to_deploy() needs eval mode: the '
-                               'fused affine uses running statistics. Call model.eval() first.')
+    def _switch_to_deploy(self) -> None:
+        """Replace the statistics by their per-channel affine."""
         scale, shift = self._fused_affine()
         ref = next(iter(self.parameters()), None)
         if ref is None:
@@ -86,7 +82,6 @@ class FoldableNorm(nn.Module):
         self._make_deploy_params()
         self.weight.data = scale.to(ref)
         self.bias.data = shift.to(ref)
-        self.deploy = True
 
 
 @torch.no_grad()
@@ -137,8 +132,6 @@ def fold_affine_into_prev(layer: nn.Module, scale: Tensor, shift: Tensor) -> nn.
     if layer.bias is not None:
         bias = bias + s * layer.bias.double()
     new.bias.copy_(bias)
-    # Its output now includes the next affine: equivalence checks must not compare it.
-    new.output_changed_by_fusion = True
     return new
 
 

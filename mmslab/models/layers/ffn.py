@@ -10,11 +10,24 @@ from torch import Tensor
 
 from mmslab.registry import register_model
 from .affine import fold_affine_into_next_linear
+from .deploy import Reparameterizable
 from .token_bn import bn_affine
 
 
+class BlockFFN(nn.Module):
+    """Base of the FFNs a transformer block holds (``ffn_type``), ``[..., C]`` -> ``[..., C]``.
+
+    Attributes:
+        includes_residual: the FFN applies its own input handling, DropPath and residual
+            (RePaFormer's channel-idle FFN has BatchNorms inside instead of a pre-norm), so
+            the block has no ``norm2`` and returns the FFN's output as is.
+    """
+
+    includes_residual = False
+
+
 @register_model()
-class SwinFFN(nn.Module):
+class SwinFFN(BlockFFN):
     """Linear -> act -> dropout -> Linear -> dropout, without the residual.
 
     Layout and names match mmcv's ``FFN`` (``layers.0.0`` is fc1, ``layers.1`` is fc2) so mmdet
@@ -40,7 +53,7 @@ class SwinFFN(nn.Module):
 
 
 @register_model()
-class ChannelIdleFFN(nn.Module):
+class ChannelIdleFFN(Reparameterizable, BlockFFN):
     """Channel-idle FFN (RePaFormer) *including* its residual connection.
 
     Training form: ``x + DropPath(fc2(BN2(idle_act(fc1(BN1(x))))))`` where ``idle_act`` applies
@@ -59,6 +72,8 @@ class ChannelIdleFFN(nn.Module):
 
     Shape: ``[..., C]`` -> ``[..., C]``.
     """
+
+    includes_residual = True
 
     def __init__(self, embed_dims: int, feedforward_channels: int, idle_ratio: float = 0.75,
                  act_cfg: Optional[dict] = None, ffn_drop: float = 0.0,
@@ -104,12 +119,10 @@ class ChannelIdleFFN(nn.Module):
         return x + self.drop_path(y)
 
     @torch.no_grad()
-    def switch_to_deploy(self) -> None:
-        if self.deploy:
-            return
-        if self.training:
-            raise RuntimeError('ChannelIdleFFN.switch_to_deploy() needs eval mode (BatchNorm '
-                               'running statistics are folded). Call model.eval() first.')
+    def fused_weights(self) -> dict:
+        """The deploy-form weights (float64) of the current eval-mode computation:
+        ``skip_weight`` ``[C, C]``, ``skip_bias`` ``[C]``, ``fc1_weight`` ``[k, C]``,
+        ``fc1_bias`` ``[k]``, ``fc2_weight`` ``[C, k]``."""
         s1, t1 = bn_affine(self.norm1)
         s2, t2 = bn_affine(self.norm2)
         w1 = self.fc1.weight.double() * s1[None, :]
@@ -118,20 +131,25 @@ class ChannelIdleFFN(nn.Module):
         b2 = self.fc2.weight.double() @ t2 + self.fc2.bias.double()
         k = self.active
         eye = torch.eye(self.embed_dims, dtype=torch.float64, device=w1.device)
+        return dict(skip_weight=w2[:, k:] @ w1[k:] + eye, skip_bias=w2[:, k:] @ b1[k:] + b2,
+                    fc1_weight=w1[:k], fc1_bias=b1[:k], fc2_weight=w2[:, :k])
+
+    def _switch_to_deploy(self) -> None:
+        fused = self.fused_weights()
+        k = self.active
         ref = self.fc1.weight
         skip = nn.Linear(self.embed_dims, self.embed_dims).to(ref)
-        skip.weight.copy_(w2[:, k:] @ w1[k:] + eye)
-        skip.bias.copy_(w2[:, k:] @ b1[k:] + b2)
+        skip.weight.copy_(fused['skip_weight'])
+        skip.bias.copy_(fused['skip_bias'])
         for name in ('norm1', 'fc1', 'norm2', 'fc2', 'drop', 'drop_path'):
             delattr(self, name)
         self.skip = skip
         if k:
             self.fc1 = nn.Linear(self.embed_dims, k).to(ref)
-            self.fc1.weight.copy_(w1[:k])
-            self.fc1.bias.copy_(b1[:k])
+            self.fc1.weight.copy_(fused['fc1_weight'])
+            self.fc1.bias.copy_(fused['fc1_bias'])
             self.fc2 = nn.Linear(k, self.embed_dims, bias=False).to(ref)
-            self.fc2.weight.copy_(w2[:, :k])
-        self.deploy = True
+            self.fc2.weight.copy_(fused['fc2_weight'])
 
     def extra_repr(self) -> str:
         return (f'embed_dims={self.embed_dims}, hidden={self.hidden}, active={self.active}, '

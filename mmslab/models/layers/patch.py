@@ -6,26 +6,37 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .affine import fold_affine_into_next_linear, fold_affine_into_prev
-from .norm import build_norm, is_foldable_norm
+from .affine import FoldableNorm, fold_affine_into_next_linear, fold_affine_into_prev
+from .builder import build_norm, is_foldable_norm
+from .deploy import Reparameterizable
 
 
-@torch.no_grad()
-def _fold_norm(module: nn.Module, layer_attr: str, fold) -> None:
-    """Deploy step shared by the patch layers: fold ``module.norm`` (if foldable) into
-    ``module.<layer_attr>`` with ``fold`` and replace the norm by Identity (idempotent)."""
-    if module.deploy:
-        return
-    if hasattr(module.norm, 'fused_affine'):
-        if module.training:
-            raise RuntimeError(f'{type(module).__name__}.switch_to_deploy() needs eval mode')
-        layer = fold(getattr(module, layer_attr), *module.norm.fused_affine())
-        setattr(module, layer_attr, layer)
-        module.norm = nn.Identity()
-    module.deploy = True
+class _NormFoldingLayer(Reparameterizable, nn.Module):
+    """A projection next to a norm; deploy folds a foldable norm into the projection.
+
+    Subclasses name the projection (``_layer_attr``) and how to fold (``_fold``, a function
+    of ``(layer, scale, shift)``). ``norm_folded`` records that the norm now lives in it.
+    """
+
+    _layer_attr = ''
+
+    @staticmethod
+    def _fold(layer: nn.Module, scale, shift) -> nn.Module:
+        raise NotImplementedError
+
+    @property
+    def needs_eval_mode(self) -> bool:
+        return isinstance(self.norm, FoldableNorm)
+
+    def _switch_to_deploy(self) -> None:
+        if isinstance(self.norm, FoldableNorm):
+            layer = self._fold(getattr(self, self._layer_attr), *self.norm.fused_affine())
+            setattr(self, self._layer_attr, layer)
+            self.norm = nn.Identity()
+            self.norm_folded = True
 
 
-class PatchEmbed(nn.Module):
+class PatchEmbed(_NormFoldingLayer):
     """Conv patch embedding with corner padding and a norm, as mmdet's ``PatchEmbed``.
 
     ``projection`` and ``norm`` keep mmdet's names. In deploy form a foldable norm lives
@@ -33,6 +44,9 @@ class PatchEmbed(nn.Module):
 
     Shape: ``[B, C_in, H, W]`` -> (``[B, H'*W', C]``, ``(H', W')``).
     """
+
+    _layer_attr = 'projection'
+    _fold = staticmethod(fold_affine_into_prev)
 
     def __init__(self, in_channels: int, embed_dims: int, patch_size: int, stride: int,
                  norm_cfg=None, adaptive_padding: bool = True, deploy: bool = False):
@@ -46,6 +60,7 @@ class PatchEmbed(nn.Module):
             self.norm = nn.Identity()
         else:
             self.norm = build_norm(norm_cfg, embed_dims, deploy=deploy)
+        self.norm_folded = fold
         self.deploy = deploy
 
     def forward(self, x: Tensor) -> Tuple[Tensor, Tuple[int, int]]:
@@ -62,11 +77,12 @@ class PatchEmbed(nn.Module):
         x = x.permute(0, 2, 3, 1).reshape(b, h * w, c)
         return self.norm(x), (h, w)
 
-    def switch_to_deploy(self) -> None:
-        _fold_norm(self, 'projection', fold_affine_into_prev)
+    def fusion_changed_outputs(self):
+        # The conv's output includes the norm that follows it.
+        return ('projection', ) if self.norm_folded else ()
 
 
-class PatchMerging(nn.Module):
+class PatchMerging(_NormFoldingLayer):
     """2x2 patch merging: gather, norm, linear reduction, as mmdet's ``PatchMerging``.
 
     Channels of a merged token are ordered like ``nn.Unfold`` (channel-major, then the 2x2
@@ -76,6 +92,9 @@ class PatchMerging(nn.Module):
     Shape: (``[B, H*W, C]``, ``(H, W)``) -> (``[B, ceil(H/2)*ceil(W/2), C_out]``, new hw).
     """
 
+    _layer_attr = 'reduction'
+    _fold = staticmethod(fold_affine_into_next_linear)
+
     def __init__(self, in_channels: int, out_channels: int, norm_cfg=None,
                  deploy: bool = False):
         super().__init__()
@@ -83,6 +102,7 @@ class PatchMerging(nn.Module):
         self.norm = nn.Identity() if norm_cfg is None or fold else build_norm(
             norm_cfg, 4 * in_channels, deploy=deploy)
         self.reduction = nn.Linear(4 * in_channels, out_channels, bias=fold)
+        self.norm_folded = fold
         self.deploy = deploy
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tuple[Tensor, Tuple[int, int]]:
@@ -97,6 +117,3 @@ class PatchMerging(nn.Module):
         # [B, h2, 2, w2, 2, C] -> [B, h2, w2, C, 2, 2]: unfold's channel-major order.
         x = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 5, 2, 4).reshape(b, h2 * w2, 4 * c)
         return self.reduction(self.norm(x)), (h2, w2)
-
-    def switch_to_deploy(self) -> None:
-        _fold_norm(self, 'reduction', fold_affine_into_next_linear)

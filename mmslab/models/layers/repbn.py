@@ -10,6 +10,10 @@ from mmslab.registry import register_model
 from .affine import FoldableNorm
 from .token_bn import bn_affine
 
+#: PRepBN decay length (iterations) of the SLAB authors' ImageNet training, the ``step`` of
+#: mmslab's SLAB presets and of converted checkpoints.
+SLAB_PREPBN_STEPS = 300000
+
 
 @register_model()
 class RepBN(FoldableNorm):

@@ -6,18 +6,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .linear_attention import SLA, BiNormAttention
-from .window_attention import WindowMSA
-
-#: Attention types a backbone stage can ask for.
-ATTENTION_TYPES = {'window': WindowMSA, 'sla': SLA, 'binorm': BiNormAttention}
-
-
-def build_window_kernel(attn_type: str, **kwargs) -> nn.Module:
-    if attn_type not in ATTENTION_TYPES:
-        raise ValueError(f'unknown attention type {attn_type!r}; valid types: '
-                         f'{tuple(ATTENTION_TYPES)}')
-    return ATTENTION_TYPES[attn_type](**kwargs)
+from .builder import build_window_attention
 
 
 def window_partition(x: Tensor, wh: int, ww: int) -> Tensor:
@@ -43,12 +32,11 @@ class ShiftWindowAttention(nn.Module):
                  attn_type: str = 'window', qkv_bias: bool = True, qk_scale=None,
                  attn_drop: float = 0.0, proj_drop: float = 0.0, deploy: bool = False):
         super().__init__()
-        kwargs = dict(embed_dims=embed_dims, num_heads=num_heads, window_size=window_size,
-                      qkv_bias=qkv_bias, proj_drop=proj_drop, deploy=deploy)
-        if attn_type == 'window':
-            kwargs.update(qk_scale=qk_scale, attn_drop=attn_drop)
         self.attn_type = attn_type
-        self.w_msa = build_window_kernel(attn_type, **kwargs)
+        self.w_msa = build_window_attention(
+            attn_type, qk_scale=qk_scale, attn_drop=attn_drop, embed_dims=embed_dims,
+            num_heads=num_heads, window_size=window_size, qkv_bias=qkv_bias,
+            proj_drop=proj_drop, deploy=deploy)
         self.window_size = self.w_msa.window_size
         self.shift_size = window_size // 2 if shift else 0
         self._cache = {}

@@ -19,6 +19,8 @@ from mmengine.model.weight_init import trunc_normal_
 from torch import Tensor
 
 from mmslab.registry import register_model
+from .affine import fold_affine_into_next_linear
+from .deploy import Reparameterizable
 
 
 def relative_position_index(window_size: Tuple[int, int]) -> Tensor:
@@ -37,13 +39,20 @@ class WindowKernelBase(nn.Module):
     shifts and partitions, calls :meth:`attend` on ``[B*nW, N, 3C]`` windows and applies
     ``proj`` to the unpadded result.
 
-    Class attributes: ``uses_shift_mask`` (mask the cyclic-shift seams, Swin style) and
+    Class attributes: ``uses_shift_mask`` (mask the cyclic-shift seams, Swin style),
     ``masks_padding`` (padded tokens are excluded from the attention; otherwise they take the
-    value a zero token has after ``qkv``, as in mmdet's Swin).
+    value a zero token has after ``qkv``, as in mmdet's Swin) and ``softmax_options`` (the
+    constructor takes ``qk_scale`` and ``attn_drop``).
+
+    Buffer ``qkv_pad`` (``[3C]``, only once the block's norm is folded into ``qkv`` and padding
+    is not masked): the value a padded token has after ``qkv``. Padding happens *after* the
+    norm, so a padded slot is a zero normalized token, whose ``qkv`` output is the pre-fold
+    bias; the folded ``qkv`` would give something else.
     """
 
     uses_shift_mask = True
     masks_padding = False
+    softmax_options = False
 
     def __init__(self, embed_dims: int, num_heads: int, window_size, qkv_bias: bool = True,
                  proj_drop: float = 0.0):
@@ -58,13 +67,28 @@ class WindowKernelBase(nn.Module):
         self.qkv = nn.Linear(embed_dims, embed_dims * 3, bias=qkv_bias)
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.proj_drop = nn.Dropout(proj_drop)
+        self.register_buffer('qkv_pad', None)  # see the class docstring
 
     def pad_value(self) -> Optional[Tensor]:
         """``[3C]`` value of a padded token after ``qkv`` (None means zeros)."""
         if self.masks_padding:
             return None
-        # After a norm is folded into qkv, qkv_pad keeps the pre-fold bias.
-        return getattr(self, 'qkv_pad', self.qkv.bias)
+        return self.qkv.bias if self.qkv_pad is None else self.qkv_pad
+
+    def expect_folded_input_norm(self) -> None:
+        """Declare the state of a kernel whose input norm is folded into ``qkv`` (the
+        ``deploy=True`` form), so a fused checkpoint's ``qkv_pad`` loads."""
+        if not self.masks_padding:
+            self.qkv_pad = self.qkv.weight.new_zeros(self.qkv.out_features)
+
+    @torch.no_grad()
+    def absorb_input_affine(self, scale: Tensor, shift: Tensor) -> None:
+        """Fold the preceding norm's ``x * scale + shift`` into ``qkv``."""
+        if not self.masks_padding:
+            qkv = self.qkv
+            self.qkv_pad = qkv.bias.detach().clone() if qkv.bias is not None else \
+                qkv.weight.new_zeros(qkv.out_features)
+        self.qkv = fold_affine_into_next_linear(self.qkv, scale, shift)
 
     def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
                shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
@@ -78,12 +102,15 @@ class WindowKernelBase(nn.Module):
 
 
 @register_model()
-class WindowMSA(WindowKernelBase):
+class WindowMSA(Reparameterizable, WindowKernelBase):
     """Softmax attention in a window with a learned relative position bias (Swin).
 
     In deploy mode the bias table is gathered once into a ``[heads, N, N]`` buffer and masked
     biases are cached per padded input size, so a forward pass does no index gathering.
     """
+
+    softmax_options = True
+    needs_eval_mode = False  # the gathered bias is the same in both modes
 
     def __init__(self, embed_dims: int, num_heads: int, window_size, qkv_bias: bool = True,
                  qk_scale: Optional[float] = None, attn_drop: float = 0.0,
@@ -114,16 +141,12 @@ class WindowMSA(WindowKernelBase):
         table = self.relative_position_bias_table
         return table[self.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1)
 
-    @torch.no_grad()
-    def switch_to_deploy(self) -> None:
-        if self.deploy:
-            return
+    def _switch_to_deploy(self) -> None:
         bias = self.position_bias().detach().clone()
         del self.relative_position_bias_table
         del self.relative_position_index
         self.register_buffer('relative_position_bias', bias)
         self._mask_cache = {}
-        self.deploy = True
 
     def _attn_mask(self, shift_mask: Optional[Tensor], bw: int, num_windows: int,
                    dtype: torch.dtype, cache_key=None) -> Tensor:

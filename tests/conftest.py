@@ -1,0 +1,102 @@
+"""Helpers shared by the tests (import them with ``from conftest import ...``).
+
+As mmdet's ``tests/test_models/test_backbones/utils.py``: small functions, no fixtures with
+hidden state.
+"""
+import importlib.util
+import os.path as osp
+
+import torch
+import torch.nn as nn
+
+REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
+TOOLS = osp.join(REPO, 'tools')
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max|a - b| / max|b|``: the relative error of ``a`` against the reference ``b``."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def randomize_weights(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Random weights everywhere, incl. BN statistics, alphas and LayerNorm affines; returns
+    the model in eval mode."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.05 if p.dim() > 1 else 0.2) +
+                    (1.0 if name.endswith(('weight', 'alpha')) and p.dim() <= 1 else 0.0))
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.3)
+                m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+    return model.eval()
+
+
+def randomize_bn_statistics(model: nn.Module, seed: int = 0, alpha: float = 0.5) -> nn.Module:
+    """Random BatchNorm statistics and affines, and RepBN ``alpha`` set to ``alpha``, so folds
+    are tested away from the identity."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.normal_(0, 0.3, generator=g)
+                m.running_var.uniform_(0.5, 2.0, generator=g)
+                m.weight.normal_(1, 0.2, generator=g)
+                m.bias.normal_(0, 0.2, generator=g)
+            if isinstance(getattr(m, 'alpha', None), nn.Parameter):
+                m.alpha.fill_(alpha)
+    return model
+
+
+def explicit_shifted_window_attention(x, hw, window, shift, qkv, proj, table, num_heads):
+    """Swin's shifted-window attention written out step by step (the paper's algorithm, as
+    mmdet's ``ShiftWindowMSA`` computes it), for ``[B, H*W, C]`` tokens with ``H, W``
+    multiples of ``window``: cyclic shift, window partition, per window
+    ``softmax(q k^T * scale + relative position bias + shift mask) v``, merge, reverse shift.
+    """
+    b, n, c = x.shape
+    h, w = hw
+    d = c // num_heads
+    grid = torch.roll(x.view(b, h, w, c), shifts=(-shift, -shift), dims=(1, 2))
+    # Region id of every pixel of the shifted map: 3 x 3 regions the roll brought together.
+    region = torch.zeros(h, w, dtype=torch.long)
+    bounds = (slice(0, -window), slice(-window, -shift), slice(-shift, None))
+    for i, hs in enumerate(bounds):
+        for j, ws in enumerate(bounds):
+            region[hs, ws] = 3 * i + j
+    out = torch.zeros_like(grid)
+    for wy in range(0, h, window):
+        for wx in range(0, w, window):
+            coords = [(wy + i, wx + j) for i in range(window) for j in range(window)]
+            tokens = torch.stack([grid[:, y, xx] for y, xx in coords], dim=1)  # [B, N, C]
+            q, k, v = qkv(tokens).view(b, len(coords), 3, num_heads, d).permute(2, 0, 3, 1, 4)
+            bias = torch.empty(num_heads, len(coords), len(coords), dtype=x.dtype)
+            mask = torch.zeros(len(coords), len(coords), dtype=x.dtype)
+            for p, (yp, xp) in enumerate(coords):
+                for r, (yr, xr) in enumerate(coords):
+                    dy, dx = yp - yr + window - 1, xp - xr + window - 1
+                    bias[:, p, r] = table[dy * (2 * window - 1) + dx]
+                    if shift and region[yp, xp] != region[yr, xr]:
+                        mask[p, r] = -100.0
+            logits = q @ k.transpose(-2, -1) * d ** -0.5 + bias + mask  # [B, heads, N, N]
+            attended = (logits.softmax(-1) @ v).transpose(1, 2).reshape(b, len(coords), c)
+            for t, (y, xx) in enumerate(coords):
+                out[:, y, xx] = attended[:, t]
+    out = torch.roll(out, shifts=(shift, shift), dims=(1, 2))
+    return proj(out.reshape(b, n, c))
+
+
+def load_script(rel_path: str):
+    """Import a script of the repository (``'tools/test.py'``, ``'benchmarks/x.py'``) as a
+    module, without running its ``__main__`` block: the scripts are not a package."""
+    name = 'mmslab_script_' + osp.splitext(rel_path)[0].replace('/', '_')
+    spec = importlib.util.spec_from_file_location(name, osp.join(REPO, rel_path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_tool(name: str):
+    """``tools/<name>.py`` as a module."""
+    return load_script(f'tools/{name}.py')
