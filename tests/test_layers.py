@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mmslab  # noqa: F401  (registers everything)
-from conftest import rel_err
+from conftest import explicit_shifted_window_attention, rel_err
 from mmslab.engine.hooks import set_progressive_iter
 from mmslab.models.layers import (SLA, ChannelIdleFFN, PRepBN, RepBN,
                                   ShiftWindowAttention, TokenBN, WindowMSA, build_norm,
@@ -302,17 +302,23 @@ def test_binorm_matches_naive_and_ignores_padding():
         assert rel_err(out[rows].reshape(-1, 8), ref) <= 1e-10
 
 
-def test_window_msa_matches_explicit_softmax_with_shift_mask():
+@pytest.mark.parametrize('shift', [False, True])
+def test_window_msa_matches_explicit_softmax_with_shift_mask(shift):
     torch.manual_seed(6)
-    attn = ShiftWindowAttention(8, 2, 4, shift=True, attn_type='window').double()
-    attn.w_msa.init_weights()
+    attn = ShiftWindowAttention(8, 2, 4, shift=shift, attn_type='window').double().eval()
+    kernel = attn.w_msa
+    with torch.no_grad():
+        kernel.relative_position_bias_table.normal_()  # large enough to matter
     x = torch.randn(2, 8 * 8, 8, dtype=torch.float64)
-    ref_out = attn(x, (8, 8))
-    # Deploy form caches bias + mask and must agree.
-    attn.eval()
-    attn.w_msa.switch_to_deploy()
-    assert rel_err(attn(x, (8, 8)), ref_out) <= 1e-10
-    assert attn.w_msa.relative_position_bias.shape == (2, 16, 16)
+    with torch.no_grad():
+        ref = explicit_shifted_window_attention(
+            x, (8, 8), 4, 2 if shift else 0, kernel.qkv, kernel.proj,
+            kernel.relative_position_bias_table, num_heads=2)
+        assert rel_err(attn(x, (8, 8)), ref) <= 1e-10
+        # The deploy form gathers the bias once and caches bias + mask: the same result.
+        kernel.switch_to_deploy()
+        assert kernel.relative_position_bias.shape == (2, 16, 16)
+        assert rel_err(attn(x, (8, 8)), ref) <= 1e-10
 
 
 def test_attention_type_and_argument_errors():

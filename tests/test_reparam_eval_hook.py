@@ -6,10 +6,12 @@ import os.path as osp
 import pytest
 import torch
 from mmengine.config import Config
+from mmengine.hooks import Hook
 
 import mmslab
 from mmslab.datasets.demo_data import make_ade_demo, make_coco_demo
 from mmslab.engine.hooks import ReparamEvalHook
+from mmslab.models import statistic_modules
 from mmslab.models.layers import PRepBN
 
 BACKBONE = dict(type='PRepBNSwin', embed_dims=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4),
@@ -95,9 +97,26 @@ def test_hook_fuses_a_copy_and_saves_unfused_best_checkpoint(data_dir, tmp_path)
     fresh.load_state_dict(state, strict=True)  # an unfused checkpoint
 
 
+class EvaluatedModelProbe(Hook):
+    """Records the model every validation batch ran on, and counts (by a forward hook) the
+    calls of that model's backbone."""
+
+    def __init__(self):
+        self.models = []
+        self.backbone_calls = 0
+
+    def before_val_iter(self, runner, batch_idx, data_batch=None):
+        if not self.models or self.models[-1] is not runner.model:
+            runner.model.backbone.register_forward_hook(self._count)
+        self.models.append(runner.model)
+
+    def _count(self, module, inputs, output):
+        self.backbone_calls += 1
+
+
 def test_fused_and_unfused_metrics_are_equal(data_dir, tmp_path):
     from mmengine.runner import Runner
-    results = {}
+    results, probes, trained = {}, {}, {}
     for reparam in (True, False):
         cfg = seg_cfg(data_dir, tmp_path / f'r{reparam}',
                       dict(type='ReparamEvalHook', reparam=reparam, warmup=0))
@@ -106,11 +125,26 @@ def test_fused_and_unfused_metrics_are_equal(data_dir, tmp_path):
         cfg['train_dataloader'] = None
         cfg['default_hooks'] = dict(logger=dict(type='LoggerHook', interval=1))
         runner = Runner.from_cfg(Config(cfg))
+        probes[reparam] = EvaluatedModelProbe()
+        runner.register_hook(probes[reparam], priority='LOW')
+        trained[reparam] = runner.model
         with torch.no_grad():  # favour the demo's background classes so pixels score
             runner.model.decode_head.conv_seg.bias[[0, 2, 3, 9]] += 3.0
         results[reparam] = runner.val()
     assert results[True] == pytest.approx(results[False])
     assert results[True]['aAcc'] > 0
+    # The fused run evaluated one fused copy on every batch: not the training model, no
+    # normalization statistics left in its backbone, and its backbone ran for every batch.
+    fused_runs, plain_runs = probes[True].models, probes[False].models
+    assert len(fused_runs) == len(plain_runs) == 2  # 3 images, batches of 2
+    assert all(m is fused_runs[0] for m in fused_runs) and fused_runs[0] is not trained[True]
+    assert statistic_modules(fused_runs[0].backbone) == []
+    fused_norms = [m for m in fused_runs[0].modules() if isinstance(m, PRepBN)]
+    assert all(m.deploy for m in fused_norms)  # the unfolded output norm: an affine
+    assert probes[True].backbone_calls >= len(fused_runs)
+    # The reference run evaluated the training model itself, PRepBN and all.
+    assert all(m is trained[False] for m in plain_runs)
+    assert any(isinstance(m, PRepBN) and not m.deploy for m in plain_runs[0].modules())
 
 
 def test_equivalence_check_names_the_divergent_module(data_dir, tmp_path, monkeypatch):
