@@ -8,4 +8,3 @@ _base_ = [
 model = dict(
     backbone=dict(**_base_.backbone, norm_cfg=dict(type='PRepBN', step=_base_.prepbn_step)),
     neck=dict(in_channels=_base_.backbone_widths[1:]))  # stages 2-4
-custom_hooks = [*_base_.custom_hooks, *_base_.backbone_hooks]

@@ -11,4 +11,3 @@ model = dict(
     backbone=dict(**_base_.backbone, norm_cfg=dict(type='PRepBN', step=_base_.prepbn_step),
                   out_norm_cfg=dict(type='PRepBN', step=_base_.prepbn_step, alpha_init=0.0)),
     neck=dict(in_channels=_base_.backbone_widths[1:]))  # stages 2-4
-custom_hooks = [*_base_.custom_hooks, *_base_.backbone_hooks]

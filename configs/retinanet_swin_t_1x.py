@@ -7,4 +7,3 @@ _base_ = [
 model = dict(
     backbone=_base_.backbone,
     neck=dict(in_channels=_base_.backbone_widths[1:]))  # stages 2-4
-custom_hooks = [*_base_.custom_hooks, *_base_.backbone_hooks]

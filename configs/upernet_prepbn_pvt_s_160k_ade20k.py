@@ -9,4 +9,3 @@ model = dict(
     backbone=dict(**_base_.backbone, norm_cfg=dict(type='PRepBN', step=_base_.prepbn_step)),
     decode_head=dict(in_channels=_base_.backbone_widths),
     auxiliary_head=dict(in_channels=_base_.backbone_widths[2]))  # stage 3
-custom_hooks = [*_base_.custom_hooks, *_base_.backbone_hooks]

@@ -8,4 +8,3 @@ model = dict(
     backbone=_base_.backbone,
     decode_head=dict(in_channels=_base_.backbone_widths),
     auxiliary_head=dict(in_channels=_base_.backbone_widths[2]))  # stage 3
-custom_hooks = [*_base_.custom_hooks, *_base_.backbone_hooks]

@@ -123,14 +123,8 @@ default_hooks = dict(
         save_best='coco/bbox_mAP',
         rule='greater'))
 log_processor = dict(type='LogProcessor', window_size=10, by_epoch=False)
+# The full config's hooks, with the unfused model timed too.
 custom_hooks = [
     dict(type='ProgressiveNormHook'),
-    dict(
-        type='ReparamEvalHook',
-        reparam=True,
-        check_equivalence=True,
-        tolerance=1e-3,
-        measure_latency=True,
-        warmup=2,
-        compare_unfused=True)
+    dict(_base_.reparam_eval_hook, compare_unfused=True)
 ]

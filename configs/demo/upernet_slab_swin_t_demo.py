@@ -74,14 +74,8 @@ default_hooks = dict(
         max_keep_ckpts=1,
         save_best='mIoU',
         rule='greater'))
+# The full config's hooks, with the unfused model timed too.
 custom_hooks = [
     dict(type='ProgressiveNormHook'),
-    dict(
-        type='ReparamEvalHook',
-        reparam=True,
-        check_equivalence=True,
-        tolerance=1e-3,
-        measure_latency=True,
-        warmup=2,
-        compare_unfused=True)
+    dict(_base_.reparam_eval_hook, compare_unfused=True)
 ]

@@ -5,6 +5,7 @@
 # Weights: no public release (the RePaViT README says weights "will be released soon"): train
 # RePaSwin-B with the authors' code (--channel_idle --idle_ratio=0.75) and convert it to
 # mmslab names (docs/checkpoint_formats.md).
+_base_ = ['../reparam_eval_hook.py']  # custom_hooks
 backbone = dict(
     type='RePaSwin',
     arch='base',
@@ -13,4 +14,3 @@ backbone = dict(
     drop_path_rate=0.5,
     init_cfg=dict(type='Pretrained', checkpoint='checkpoints/repa_swin_b.pth'))
 backbone_widths = [128, 256, 512, 1024]
-backbone_hooks = []

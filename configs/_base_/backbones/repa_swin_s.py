@@ -5,6 +5,7 @@
 # Weights: no public release (the RePaViT README says weights "will be released soon"): train
 # RePaSwin-S with the authors' code (--channel_idle --idle_ratio=0.75) and convert it to
 # mmslab names (docs/checkpoint_formats.md).
+_base_ = ['../reparam_eval_hook.py']  # custom_hooks
 backbone = dict(
     type='RePaSwin',
     arch='small',
@@ -13,4 +14,3 @@ backbone = dict(
     drop_path_rate=0.3,
     init_cfg=dict(type='Pretrained', checkpoint='checkpoints/repa_swin_s.pth'))
 backbone_widths = [96, 192, 384, 768]
-backbone_hooks = []

@@ -5,6 +5,7 @@
 # Weights: no public release (the RePaViT README says weights "will be released soon"): train
 # RePaSwin-T with the authors' code (--channel_idle --idle_ratio=0.75) and convert it to
 # mmslab names (docs/checkpoint_formats.md).
+_base_ = ['../reparam_eval_hook.py']  # custom_hooks
 backbone = dict(
     type='RePaSwin',
     arch='tiny',
@@ -13,4 +14,3 @@ backbone = dict(
     drop_path_rate=0.2,
     init_cfg=dict(type='Pretrained', checkpoint='checkpoints/repa_swin_t.pth'))
 backbone_widths = [96, 192, 384, 768]
-backbone_hooks = []

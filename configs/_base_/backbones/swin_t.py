@@ -7,6 +7,7 @@
 # Weights: official Swin-T ImageNet-1k, swin_tiny_patch4_window7_224.pth (81.2% top-1),
 #   https://github.com/SwinTransformer/storage/releases/download/v1.0.0/swin_tiny_patch4_window7_224.pth
 #   converted to mmdet/mmslab parameter names (docs/checkpoint_formats.md).
+_base_ = ['../reparam_eval_hook.py']  # custom_hooks
 backbone = dict(
     type='ReparamSwinTransformer',
     arch='tiny',  # embed 96, depths (2, 2, 6, 2), heads (3, 6, 12, 24)
@@ -16,4 +17,3 @@ backbone = dict(
     drop_path_rate=0.2,
     init_cfg=dict(type='Pretrained', checkpoint='checkpoints/swin_t.pth'))
 backbone_widths = [96, 192, 384, 768]
-backbone_hooks = []  # no progressive norm

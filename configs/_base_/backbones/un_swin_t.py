@@ -10,6 +10,7 @@
 # Swin-T with UN on ImageNet-1k, or start from the official Swin-T
 # (swin_tiny_patch4_window7_224.pth, converted): LN weight/bias load into UN's affine and the
 # running variance is estimated during warm-up.
+_base_ = ['../reparam_eval_hook.py']  # custom_hooks
 backbone = dict(
     type='ReparamSwinTransformer',
     arch='tiny',
@@ -20,4 +21,4 @@ backbone = dict(
     drop_path_rate=0.2,
     init_cfg=dict(type='Pretrained', checkpoint='checkpoints/un_swin_t.pth'))
 backbone_widths = [96, 192, 384, 768]
-backbone_hooks = [dict(type='ProgressiveNormHook')]
+custom_hooks = [*_base_.custom_hooks, dict(type='ProgressiveNormHook')]

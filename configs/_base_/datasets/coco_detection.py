@@ -1,5 +1,5 @@
 # COCO 2017 object detection (boxes only), single-scale 1333x800, as mmdet's
-# coco_detection.py. Same layout as coco_instance.py (`python tools/make_demo_data.py` makes
+# coco_detection.py. Expected layout: see coco_instance.py (`python tools/make_demo_data.py` makes
 # the synthetic demo set there).
 dataset_type = 'CocoDataset'
 data_root = 'data/coco/'

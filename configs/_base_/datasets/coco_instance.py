@@ -1,62 +1,22 @@
-# COCO 2017 instance segmentation (boxes + masks), single-scale 1333x800, as mmdet's
-# coco_instance.py. Expected layout (or run `python tools/make_demo_data.py` for the synthetic
+# COCO 2017 instance segmentation (boxes + masks): coco_detection.py with mask annotations and
+# the segm metric. Expected layout (or run `python tools/make_demo_data.py` for the synthetic
 # demo set in the same layout):
 #   data/coco/annotations/instances_{train,val}2017.json
 #   data/coco/{train,val}2017/*.jpg
-dataset_type = 'CocoDataset'
-data_root = 'data/coco/'
-backend_args = None
+_base_ = ['./coco_detection.py']
 
+# The detection pipelines, loading masks too.
 train_pipeline = [
-    dict(type='LoadImageFromFile', backend_args=backend_args),
-    dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
-    dict(type='Resize', scale=(1333, 800), keep_ratio=True),
-    dict(type='RandomFlip', prob=0.5),
-    dict(type='PackDetInputs')
+    dict(step, with_mask=True) if step['type'] == 'LoadAnnotations' else step
+    for step in _base_.train_pipeline
 ]
 test_pipeline = [
-    dict(type='LoadImageFromFile', backend_args=backend_args),
-    dict(type='Resize', scale=(1333, 800), keep_ratio=True),
-    dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
-    dict(
-        type='PackDetInputs',
-        meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor'))
+    dict(step, with_mask=True) if step['type'] == 'LoadAnnotations' else step
+    for step in _base_.test_pipeline
 ]
-# 2 images per GPU x 8 GPUs = 16 (schedule_1x.py: auto_scale_lr.base_batch_size).
-train_dataloader = dict(
-    batch_size=2,
-    num_workers=2,
-    persistent_workers=True,
-    sampler=dict(type='DefaultSampler', shuffle=True),
-    batch_sampler=dict(type='AspectRatioBatchSampler'),
-    dataset=dict(
-        type=dataset_type,
-        data_root=data_root,
-        ann_file='annotations/instances_train2017.json',
-        data_prefix=dict(img='train2017/'),
-        filter_cfg=dict(filter_empty_gt=True, min_size=32),
-        pipeline=train_pipeline,
-        backend_args=backend_args))
-val_dataloader = dict(
-    batch_size=1,
-    num_workers=2,
-    persistent_workers=True,
-    drop_last=False,
-    sampler=dict(type='DefaultSampler', shuffle=False),
-    dataset=dict(
-        type=dataset_type,
-        data_root=data_root,
-        ann_file='annotations/instances_val2017.json',
-        data_prefix=dict(img='val2017/'),
-        test_mode=True,
-        pipeline=test_pipeline,
-        backend_args=backend_args))
+train_dataloader = dict(dataset=dict(pipeline=train_pipeline))
+val_dataloader = dict(dataset=dict(pipeline=test_pipeline))
 test_dataloader = val_dataloader
 
-val_evaluator = dict(
-    type='CocoMetric',
-    ann_file=data_root + 'annotations/instances_val2017.json',
-    metric=['bbox', 'segm'],
-    format_only=False,
-    backend_args=backend_args)
+val_evaluator = dict(metric=['bbox', 'segm'])
 test_evaluator = val_evaluator
