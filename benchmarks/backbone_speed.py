@@ -13,19 +13,15 @@ import copy
 import json
 import os
 import os.path as osp
-import sys
 
-REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+import torch
+from mmengine.utils import ProgressBar
 
-import torch  # noqa: E402
-from mmengine.utils import ProgressBar  # noqa: E402
-
-import mmslab  # noqa: E402
-from mmslab.benchmark import measure_interleaved, parse_shape, summarize  # noqa: E402
-from mmslab.models.layers.window_attention import window_softmax_choices  # noqa: E402
-from mmslab.utils.machine import machine_info, machine_line  # noqa: E402
+import mmslab
+from mmslab.benchmark import measure_interleaved, parse_shape, summarize
+from mmslab.models.layers.window_attention import window_softmax_choices
+from mmslab.utils.machine import machine_info, machine_line
+from mmslab.utils.plotting import grouped_bars, saved_figure
 
 # (name, builder) pairs; "fused" variants are derived automatically for mmslab models.
 RATIOS = [  # (numerator, denominator, target or None): ratio = numerator ms / denominator ms
@@ -115,25 +111,15 @@ def main(argv=None):
 
 
 def plot(results, path):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
     shapes = list(results)
     names = list(results[shapes[0]])
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / len(shapes)
-    for i, shape in enumerate(shapes):
-        ax.barh([j + i * width for j in range(len(names))],
-                [results[shape][n]['median_ms'] for n in names], height=width, label=shape)
-    ax.set_yticks([j + width * (len(shapes) - 1) / 2 for j in range(len(names))])
-    ax.set_yticklabels(names)
-    ax.invert_yaxis()
-    ax.set_xlabel('median backbone latency (ms), batch 1')
-    ax.legend()
-    ax.grid(axis='x', alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with saved_figure(path, figsize=(10, 4.5)) as (fig, axes):
+        ax = axes[0][0]
+        grouped_bars(ax, names, {shape: [results[shape][n]['median_ms'] for n in names]
+                                 for shape in shapes}, horizontal=True)
+        ax.set_xlabel('median backbone latency (ms), batch 1')
+        ax.legend()
+        ax.grid(axis='x', alpha=0.3)
 
 
 if __name__ == '__main__':

@@ -30,6 +30,7 @@ from mmslab.deploy import (convert_to_openvino, export_onnx, quantize_onnxruntim
 from mmslab.deploy.runtimes import OnnxRuntimeModel, OpenVINOModel
 from mmslab.models.layers.window_attention import window_softmax_choices
 from mmslab.utils.machine import machine_info, machine_line
+from mmslab.utils.plotting import grouped_bars, saved_figure
 
 MODELS = ('mmdet Swin-T', 'PRepBN-Swin-T', 'SLAB-Swin-T', 'RePa-Swin-T')
 RUNTIMES = ('eager', 'ort fp32', 'ort int8', 'ov fp32', 'ov int8')
@@ -207,30 +208,20 @@ def print_table(rows, kind, shape, runtimes):
 
 
 def plot(report, path):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
     groups = list(dict.fromkeys((r['kind'], r['shape']) for r in report['rows']))
-    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.5), squeeze=False)
-    for ax, (kind, shape) in zip(axes[0], groups):
-        sel = [r for r in report['rows'] if r['kind'] == kind and r['shape'] == shape]
-        models = list(dict.fromkeys(r['model'] for r in sel))
-        runtimes = list(dict.fromkeys(r['runtime'] for r in sel))
-        width = 0.8 / len(models)
-        for i, m in enumerate(models):
-            values = [next((r['median_ms'] for r in sel if r['model'] == m and
-                            r['runtime'] == rt), 0.0) for rt in runtimes]
-            ax.bar([j + i * width for j in range(len(runtimes))], values, width, label=m)
-        ax.set_xticks([j + width * (len(models) - 1) / 2 for j in range(len(runtimes))])
-        ax.set_xticklabels(runtimes)
-        ax.set_ylabel('median latency (ms), batch 1')
-        ax.set_title(f'{kind} {shape}', fontsize=10)
-        ax.legend(fontsize=7)
-        ax.grid(axis='y', alpha=0.3)
-    fig.suptitle(machine_line(report['machine']), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with saved_figure(path, ncols=len(groups), panel_size=(6.5, 4.5)) as (fig, axes):
+        for ax, (kind, shape) in zip(axes[0], groups):
+            sel = [r for r in report['rows'] if r['kind'] == kind and r['shape'] == shape]
+            models = list(dict.fromkeys(r['model'] for r in sel))
+            runtimes = list(dict.fromkeys(r['runtime'] for r in sel))
+            grouped_bars(ax, runtimes, {
+                m: [next((r['median_ms'] for r in sel if r['model'] == m and
+                          r['runtime'] == rt), 0.0) for rt in runtimes] for m in models})
+            ax.set_ylabel('median latency (ms), batch 1')
+            ax.set_title(f'{kind} {shape}', fontsize=10)
+            ax.legend(fontsize=7)
+            ax.grid(axis='y', alpha=0.3)
+        fig.suptitle(machine_line(report['machine']), fontsize=9)
 
 
 if __name__ == '__main__':

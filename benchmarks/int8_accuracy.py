@@ -17,6 +17,8 @@ import os.path as osp
 import subprocess
 import sys
 
+from mmslab.utils.plotting import grouped_bars, saved_figure
+
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 PREFIX = 'mmslab-test-metrics: '
 DEFAULT_CONFIGS = [f'configs/demo/mask_rcnn_{v}_demo.py'
@@ -128,24 +130,15 @@ def print_table(results):
 
 
 def plot(results, path):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    forms = [f for f, _ in FORMS]
     names = list(results)
-    fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.8 / len(forms)
-    for i, form in enumerate(forms):
-        ax.bar([j + i * width for j in range(len(names))],
-               [results[n][form]['coco/bbox_mAP'] for n in names], width, label=form)
-    ax.set_xticks([j + width * (len(forms) - 1) / 2 for j in range(len(names))])
-    ax.set_xticklabels([n.replace('mask_rcnn_', '').replace('_demo', '') for n in names])
-    ax.set_ylabel('bbox mAP (demo val)')
-    ax.legend(fontsize=8)
-    ax.grid(axis='y', alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with saved_figure(path, figsize=(10, 4)) as (fig, axes):
+        ax = axes[0][0]
+        grouped_bars(ax, [n.replace('mask_rcnn_', '').replace('_demo', '') for n in names],
+                     {form: [results[n][form]['coco/bbox_mAP'] for n in names]
+                      for form, _ in FORMS})
+        ax.set_ylabel('bbox mAP (demo val)')
+        ax.legend(fontsize=8)
+        ax.grid(axis='y', alpha=0.3)
 
 
 if __name__ == '__main__':

@@ -15,19 +15,15 @@ import argparse
 import json
 import os
 import os.path as osp
-import sys
 
-REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+import torch
+import torch.nn.functional as F
+from mmengine.utils import ProgressBar
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from mmengine.utils import ProgressBar  # noqa: E402
-
-from mmslab.benchmark import measure_interleaved, summarize  # noqa: E402
-from mmslab.utils.machine import machine_info  # noqa: E402
-from mmslab.models.layers import SLA, BiNormAttention, ChannelIdleFFN  # noqa: E402
+from mmslab.benchmark import measure_interleaved, summarize
+from mmslab.utils.machine import machine_info
+from mmslab.models.layers import SLA, BiNormAttention, ChannelIdleFFN
+from mmslab.utils.plotting import saved_figure
 
 
 def peak_memory_mb(fn) -> float:
@@ -121,29 +117,24 @@ def main(argv=None):
 
 
 def plot(report, path):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for layer in dict.fromkeys(r['layer'] for r in report['attention']):
-        rows = [r for r in report['attention'] if r['layer'] == layer]
-        axes[0].loglog([r['tokens'] for r in rows], [r['median_ms'] for r in rows], 'o-',
-                       label=layer)
-        axes[1].loglog([r['tokens'] for r in rows], [max(r['peak_mb'], 1e-3) for r in rows],
-                       'o-', label=layer)
-    axes[0].set(xlabel='tokens', ylabel='median ms', title='attention time')
-    axes[1].set(xlabel='tokens', ylabel='peak MB', title='attention peak memory')
-    widths = [r['channels'] for r in report['ffn']]
-    axes[2].plot(widths, [r['ratio'] for r in report['ffn']], 'o-')
-    axes[2].set(xlabel='channels C', ylabel='unfused / fused time',
-                title='channel-idle FFN fusion speed-up')
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    axes[1].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with saved_figure(path, ncols=3, panel_size=(5, 4)) as (fig, axes):
+        axes = axes[0]
+        for layer in dict.fromkeys(r['layer'] for r in report['attention']):
+            rows = [r for r in report['attention'] if r['layer'] == layer]
+            axes[0].loglog([r['tokens'] for r in rows], [r['median_ms'] for r in rows], 'o-',
+                           label=layer)
+            axes[1].loglog([r['tokens'] for r in rows],
+                           [max(r['peak_mb'], 1e-3) for r in rows], 'o-', label=layer)
+        axes[0].set(xlabel='tokens', ylabel='median ms', title='attention time')
+        axes[1].set(xlabel='tokens', ylabel='peak MB', title='attention peak memory')
+        widths = [r['channels'] for r in report['ffn']]
+        axes[2].plot(widths, [r['ratio'] for r in report['ffn']], 'o-')
+        axes[2].set(xlabel='channels C', ylabel='unfused / fused time',
+                    title='channel-idle FFN fusion speed-up')
+        for ax in axes:
+            ax.grid(alpha=0.3)
+        axes[0].legend()
+        axes[1].legend()
 
 
 if __name__ == '__main__':

@@ -31,6 +31,8 @@ import sys
 
 import torch
 
+from mmslab.utils.plotting import grouped_bars, saved_figure
+
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 DEMO = osp.join(REPO, 'configs', 'demo', 'mask_rcnn_slab_swin_t_demo.py')
 
@@ -145,22 +147,14 @@ def output_spread(config: str, checkpoint: str, num_images: int = 8) -> list:
 
 
 def plot(results, path):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
     names = list(results)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, key in enumerate(('coco/bbox_mAP', 'coco/segm_mAP')):
-        ax.bar([j + 0.4 * i for j in range(len(names))],
-               [results[n].get(key, 0.0) for n in names], 0.4, label=key.split('/')[1])
-    ax.set_xticks([j + 0.2 for j in range(len(names))])
-    ax.set_xticklabels(names)
-    ax.set_ylabel('mAP (fused model)')
-    ax.set_title('output-norm policy when fine-tuning')
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with saved_figure(path, figsize=(6, 3.5)) as (fig, axes):
+        ax = axes[0][0]
+        grouped_bars(ax, names, {key.split('/')[1]: [results[n].get(key, 0.0) for n in names]
+                                 for key in ('coco/bbox_mAP', 'coco/segm_mAP')})
+        ax.set_ylabel('mAP (fused model)')
+        ax.set_title('output-norm policy when fine-tuning')
+        ax.legend()
 
 
 if __name__ == '__main__':

@@ -15,26 +15,23 @@ import os.path as osp
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 from mmengine.config import Config
 from mmengine.model import revert_sync_batchnorm
 from mmengine.optim import build_optim_wrapper
-from mmengine.registry import init_default_scope
 from torch.nn.modules.batchnorm import _BatchNorm
 
 REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
 
-import mmslab  # noqa: E402
-from mmslab.engine.hooks.reparam_eval_hook import max_relative_difference  # noqa: E402
-from mmslab.models.backbones.pvt import ReparamPVT  # noqa: E402
-from mmslab.models.backbones.swin import ReparamSwinTransformer  # noqa: E402
-from mmslab.models.layers.affine import FoldableNorm  # noqa: E402
-from mmslab.utils import DataNotFoundError, check_data_root  # noqa: E402
+import mmslab
+from mmslab.engine.hooks.reparam_eval_hook import max_relative_difference
+from mmslab.models.backbones.pvt import ReparamPVT
+from mmslab.models.backbones.swin import ReparamSwinTransformer
+from mmslab.models.layers import UN, FoldableNorm, PRepBN
+from mmslab.utils import DataNotFoundError, check_data_root
+from mmslab.utils.launch import model_registry, resolve_scope
 
 CONFIG_DIR = osp.join(REPO_ROOT, 'configs')
 CONFIGS = sorted(glob.glob(osp.join(CONFIG_DIR, '*.py')) +
@@ -82,12 +79,8 @@ def load(path) -> Config:
 
 
 def registry(cfg):
-    init_default_scope(cfg.default_scope)
-    if cfg.default_scope == 'mmdet':
-        from mmdet.registry import MODELS
-    else:
-        from mmseg.registry import MODELS
-    return MODELS
+    """The MODELS registry of the config's scope, made the default (as the tools do)."""
+    return model_registry(resolve_scope(cfg))
 
 
 def task(cfg) -> str:
@@ -151,38 +144,26 @@ def num_classes(cfg) -> int:
 
 
 def fake_batch(cfg, n=2):
+    """A training batch of ``n`` SIZE x SIZE images: mmdet's own demo batch (two boxes with
+    masks per image) for detectors, random labels with ignored pixels for segmentors."""
+    k = num_classes(cfg)
+    if cfg.default_scope == 'mmdet':
+        from mmdet.testing import demo_mm_inputs
+        return demo_mm_inputs(batch_size=n, image_shapes=[(3, SIZE, SIZE)] * n,
+                              num_items=[2] * n, num_classes=k, with_mask=True)
+    from mmengine.structures import PixelData
+    from mmseg.structures import SegDataSample
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randint(0, 256, (3, SIZE, SIZE), dtype=torch.uint8, generator=g)
               for _ in range(n)]
-    k = num_classes(cfg)
     samples = []
-    if cfg.default_scope == 'mmdet':
-        from mmdet.structures import DetDataSample
-        from mmdet.structures.mask import BitmapMasks
-        from mmengine.structures import InstanceData
-        boxes = torch.tensor([[4., 6., 40., 50.], [20., 10., 60., 30.]])
-        for i in range(n):
-            s = DetDataSample(metainfo=dict(img_id=i, img_shape=(SIZE, SIZE),
-                                            ori_shape=(SIZE, SIZE), scale_factor=(1.0, 1.0)))
-            inst = InstanceData()
-            inst.bboxes = boxes.clone()
-            inst.labels = torch.tensor([i % k, (i + 1) % k])
-            masks = np.zeros((2, SIZE, SIZE), dtype=np.uint8)
-            for j, (x1, y1, x2, y2) in enumerate(boxes.int().tolist()):
-                masks[j, y1:y2, x1:x2] = 1
-            inst.masks = BitmapMasks(masks, SIZE, SIZE)
-            s.gt_instances = inst
-            samples.append(s)
-    else:
-        from mmengine.structures import PixelData
-        from mmseg.structures import SegDataSample
-        for i in range(n):
-            s = SegDataSample(metainfo=dict(img_shape=(SIZE, SIZE), ori_shape=(SIZE, SIZE),
-                                            pad_shape=(SIZE, SIZE)))
-            seg = torch.randint(0, k, (1, SIZE, SIZE), generator=g)
-            seg[:, :4] = 255  # some ignored pixels
-            s.gt_sem_seg = PixelData(data=seg)
-            samples.append(s)
+    for i in range(n):
+        s = SegDataSample(metainfo=dict(img_shape=(SIZE, SIZE), ori_shape=(SIZE, SIZE),
+                                        pad_shape=(SIZE, SIZE)))
+        seg = torch.randint(0, k, (1, SIZE, SIZE), generator=g)
+        seg[:, :4] = 255  # some ignored pixels
+        s.gt_sem_seg = PixelData(data=seg)
+        samples.append(s)
     return dict(inputs=inputs, data_samples=samples)
 
 
@@ -356,14 +337,14 @@ def test_norm_schedule_and_hooks(path):
     models = registry(cfg)
     backbone = models.build(tiny_backbone_cfg(cfg.model.backbone, models))
     total = total_train_iters(cfg)
-    prepbn = [m for m in backbone.modules() if type(m).__name__ == 'PRepBN']
+    prepbn = [m for m in backbone.modules() if isinstance(m, PRepBN)]
     for m in prepbn:
         # LN -> RepBN (after its pure-LN warm-up) must finish before training ends (users of
         # the SLAB code report NaN when T is far shorter than training); about 0.8 x.
         end = m.warmup + m.step
         assert 0.6 * total <= end < total, f'PRepBN ends at {end} of {total} iterations'
     for m in backbone.modules():
-        if type(m).__name__ == 'UN':
+        if isinstance(m, UN):
             assert m.warmup_iters < total
     progressive = [m for m in backbone.modules() if callable(getattr(m, 'set_iter', None))]
     if progressive:

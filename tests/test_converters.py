@@ -13,7 +13,6 @@ from collections import OrderedDict
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import mmslab  # noqa: F401  (registers everything)
@@ -315,7 +314,8 @@ def test_repavit_layout_gives_the_same_outputs():
     assert 'layers.0.blocks.0.mlp.fc2.weight' in authors
     assert detect_format(authors) == 'repavit'
     new, _ = convert(authors, 'repavit')
-    dst = load_converted(randomize_weights(RePaSwin(**SWIN, window_size=4), seed=9), new, source=src)
+    dst = load_converted(randomize_weights(RePaSwin(**SWIN, window_size=4), seed=9), new,
+                         source=src)
     x = torch.randn(2, 3, 64, 64)
     assert_same_outputs(outputs(dst, x), outputs(src, x))
 

@@ -1,5 +1,4 @@
 """Export round trip: deploy config + fused checkpoint == the original model."""
-import os.path as osp
 
 import pytest
 import torch

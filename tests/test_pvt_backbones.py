@@ -1,7 +1,6 @@
 """The configurable PVT v1: mmdet equivalence, presets and exact re-parameterization."""
 import pytest
 import torch
-import torch.nn as nn
 
 import mmslab
 from conftest import randomize_bn_statistics, rel_err

@@ -19,8 +19,6 @@ import torch
 
 REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOLS = osp.join(REPO_ROOT, 'tools')
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
 
 METRICS_PREFIX = 'mmslab-test-metrics: '
 BN = dict(type='BN', requires_grad=True)

@@ -10,19 +10,13 @@ attention kernels (``scaled_dot_product_attention``) are counted by our own hand
 import argparse
 import copy
 import json
-import os.path as osp
-import sys
 
-REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+import torch
+from mmengine.analysis import FlopAnalyzer
+from mmengine.config import DictAction
 
-import torch  # noqa: E402
-from mmengine.analysis import FlopAnalyzer  # noqa: E402
-from mmengine.config import DictAction  # noqa: E402
-
-import mmslab  # noqa: E402
-from mmslab.utils.launch import build_model_from_config  # noqa: E402
+import mmslab
+from mmslab.utils.launch import build_model_from_config
 
 
 def sdpa_flop(inputs, outputs):

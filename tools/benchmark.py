@@ -14,20 +14,16 @@ import argparse
 import json
 import os
 import os.path as osp
-import sys
 
-REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+import torch
+from mmengine.config import DictAction
+from mmengine.utils import ProgressBar
 
-import torch  # noqa: E402
-from mmengine.config import DictAction  # noqa: E402
-from mmengine.utils import ProgressBar  # noqa: E402
-
-import mmslab  # noqa: E402,F401
-from mmslab.utils.launch import build_model_from_config  # noqa: E402
-from mmslab.utils.machine import machine_info, machine_line  # noqa: E402
-from mmslab.benchmark import (fused_copy, make_runners, measure_interleaved,  # noqa: E402
+import mmslab  # noqa: F401
+from mmslab.utils.launch import build_model_from_config
+from mmslab.utils.machine import machine_info, machine_line
+from mmslab.utils.plotting import saved_figure
+from mmslab.benchmark import (fused_copy, make_runners, measure_interleaved,
                               parse_shape, summarize)
 
 
@@ -157,26 +153,21 @@ def print_table(report, name):
 
 
 def plot(report, path):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
     parts = sorted({r['part'] for r in report['results']})
-    fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4), squeeze=False)
-    for ax, part in zip(axes[0], parts):
-        for variant in dict.fromkeys(r['variant'] for r in report['results']):
-            rs = sorted((r for r in report['results'] if r['variant'] == variant and
-                         r['part'] == part), key=lambda r: r['shape'][0] * r['shape'][1])
-            if rs:
-                ax.plot([r['shape'][0] * r['shape'][1] / 1e6 for r in rs],
-                        [r['median_ms'] for r in rs], marker='o', label=variant)
-        ax.set_xlabel('input size (megapixels)')
-        ax.set_ylabel('median latency per image (ms)')
-        ax.set_title(f'{part} latency, batch 1\n{machine_line(report["machine"])}', fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with saved_figure(path, ncols=len(parts)) as (fig, axes):
+        for ax, part in zip(axes[0], parts):
+            for variant in dict.fromkeys(r['variant'] for r in report['results']):
+                rs = sorted((r for r in report['results'] if r['variant'] == variant and
+                             r['part'] == part), key=lambda r: r['shape'][0] * r['shape'][1])
+                if rs:
+                    ax.plot([r['shape'][0] * r['shape'][1] / 1e6 for r in rs],
+                            [r['median_ms'] for r in rs], marker='o', label=variant)
+            ax.set_xlabel('input size (megapixels)')
+            ax.set_ylabel('median latency per image (ms)')
+            ax.set_title(f'{part} latency, batch 1\n{machine_line(report["machine"])}',
+                         fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
 
 
 if __name__ == '__main__':

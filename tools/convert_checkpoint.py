@@ -18,7 +18,6 @@ The authors' progressive norms carry their schedule over (a finished LN -> RepBN
 finished); ``--reset-schedule`` restarts it.
 """
 import argparse
-import os.path as osp
 import pickle
 import re
 import sys

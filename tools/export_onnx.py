@@ -30,9 +30,11 @@ import os
 import os.path as osp
 
 import torch
+from mmdet.models.backbones import SwinTransformer as MMDetSwinTransformer
 from mmengine.config import DictAction
 from mmengine.logging import print_log
 from mmengine.utils import ProgressBar
+from mmseg.models.backbones import SwinTransformer as MMSegSwinTransformer
 
 import mmslab
 from mmslab.deploy import (PARTS, RUNTIMES, ExportWrapper, artifact_path, calibration_images,
@@ -40,8 +42,12 @@ from mmslab.deploy import (PARTS, RUNTIMES, ExportWrapper, artifact_path, calibr
                            max_relative_error, quantize_onnxruntime, quantize_openvino,
                            torch_outputs)
 from mmslab.deploy.onnx_export import onnx_size_mb
+from mmslab.models import ReparamSwinTransformer
 from mmslab.utils.launch import build_model_from_config
 from mmslab.utils.machine import machine_info
+
+#: Backbones whose (shifted) window layout is a constant of the input size.
+SWIN_BACKBONES = (ReparamSwinTransformer, MMDetSwinTransformer, MMSegSwinTransformer)
 
 PARITY_TOL = 1e-4
 
@@ -104,10 +110,7 @@ def build(args):
 
 
 def check_dynamic_supported(model) -> None:
-    from mmslab.models.backbones.swin import ReparamSwinTransformer
-    backbone = model.backbone
-    if isinstance(backbone, ReparamSwinTransformer) or \
-            type(backbone).__name__ == 'SwinTransformer':
+    if isinstance(model.backbone, SWIN_BACKBONES):
         raise SystemExit(
             'error: --dynamic is not supported for Swin-type backbones: the (shifted) window '
             'layout is a constant of the input size. Export one model per input size.')

@@ -10,13 +10,8 @@ roots ``data/coco/`` and ``data/ade/ADEChallengeData2016``.
 """
 import argparse
 import os.path as osp
-import sys
 
-REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from mmslab.datasets.demo_data import (ade_demo_complete, coco_demo_complete,  # noqa: E402
+from mmslab.datasets.demo_data import (ade_demo_complete, coco_demo_complete,
                                        make_ade_demo, make_coco_demo)
 
 

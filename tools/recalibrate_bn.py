@@ -9,14 +9,14 @@ only the BN-type layers in train mode (see ``mmslab.models.layers.bn_recalibrati
 ``{'state_dict': ..., 'meta': ...}``.
 """
 import argparse
-import importlib
 import os.path as osp
 
 import torch
-from mmengine.config import Config, DictAction
+from mmengine.config import DictAction
 from mmengine.runner import Runner, load_checkpoint
 
 from mmslab.models.layers.bn_recalibration import recalibrate_bn
+from mmslab.utils.launch import load_config, model_registry
 
 
 def parse_args():
@@ -36,18 +36,8 @@ def main():
     args = parse_args()
     if args.iters < 1:
         raise SystemExit('--iters must be >= 1')
-    cfg = Config.fromfile(args.config)  # also imports cfg.custom_imports
-    if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
-    scope = cfg.get('default_scope')
-    if scope not in ('mmdet', 'mmseg'):
-        raise SystemExit(f"the config's default_scope must be 'mmdet' or 'mmseg', got {scope!r}")
-    # Registers the codebase's modules and makes it the default scope for building.
-    importlib.import_module(f'{scope}.utils').register_all_modules(init_default_scope=True)
-    importlib.import_module('mmslab.models')  # mmslab's components, if not in custom_imports
-    models = importlib.import_module(f'{scope}.registry').MODELS
-
-    model = models.build(cfg.model)
+    cfg, scope = load_config(args.config, args.cfg_options)
+    model = model_registry(scope).build(cfg.model)
     checkpoint = load_checkpoint(model, args.checkpoint, map_location='cpu')
     model.to(args.device)
     loader = Runner.build_dataloader(cfg.train_dataloader)

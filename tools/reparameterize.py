@@ -13,19 +13,14 @@ training run's checkpoints always hold the unfused model.
 import argparse
 import os
 import os.path as osp
-import sys
 
-REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+import torch
+from mmengine.config import Config, DictAction
+from mmengine.runner import load_checkpoint
 
-import torch  # noqa: E402
-from mmengine.config import Config, DictAction  # noqa: E402
-from mmengine.runner import load_checkpoint  # noqa: E402
-
-import mmslab  # noqa: E402
-from mmslab.models import statistic_modules  # noqa: E402
-from mmslab.utils.launch import build_model_from_config, model_registry  # noqa: E402
+import mmslab
+from mmslab.models import statistic_modules
+from mmslab.utils.launch import build_model_from_config, model_registry
 
 
 def parse_args(argv=None):

@@ -10,6 +10,8 @@ import glob
 import json
 import os.path as osp
 
+from mmslab.utils.plotting import grouped_bars, saved_figure
+
 
 def load_scalars(work_dir):
     runs = sorted(glob.glob(osp.join(work_dir, '*', 'vis_data', 'scalars.json')))
@@ -100,40 +102,32 @@ def full_size_rows(report):
 
 
 def plot(train, evals, latency, path, full_size=None):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3 if full_size else 2, figsize=(16 if full_size else 11, 4))
-    if train:
-        axes[0].plot([r['iter'] for r in train], [r['loss'] for r in train], label='loss')
-        axes[0].set_xlabel('iteration')
-        axes[0].set_ylabel('training loss')
-        axes[0].grid(alpha=0.3)
-        axes[0].set_title('training loss')
-    if latency and latency.get('fused', {}).get('count'):
-        names, values = ['fused'], [latency['fused']['median_ms']]
-        if latency.get('unfused', {}).get('count'):
-            names.append('unfused')
-            values.append(latency['unfused']['median_ms'])
-        axes[1].bar(names, values, color=['tab:green', 'tab:gray'][:len(values)])
-        axes[1].set_ylabel('median ms per image')
-        axes[1].set_title('inference latency, demo images')
-    if full_size:
-        import numpy as np
-        labels = [f"{r['part']}\n{r['shape']}" for r in full_size]
-        series = [('fused', 'fused_ms', 'tab:green'), ('unfused', 'unfused_ms', 'tab:gray'),
-                  ('LayerNorm Swin-T', 'baseline_ms', 'tab:blue')]
-        x = np.arange(len(full_size))
-        for k, (name, key, color) in enumerate(series):
-            values = [r.get(key, 0.0) for r in full_size]
-            axes[2].bar(x + (k - 1) * 0.27, values, 0.27, label=name, color=color)
-        axes[2].set_xticks(x, labels)
-        axes[2].set_ylabel('median ms per image')
-        axes[2].set_title('latency at the full test size')
-        axes[2].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with saved_figure(path, ncols=3 if full_size else 2,
+                      figsize=(16 if full_size else 11, 4)) as (fig, axes):
+        axes = axes[0]
+        if train:
+            axes[0].plot([r['iter'] for r in train], [r['loss'] for r in train], label='loss')
+            axes[0].set_xlabel('iteration')
+            axes[0].set_ylabel('training loss')
+            axes[0].grid(alpha=0.3)
+            axes[0].set_title('training loss')
+        if latency and latency.get('fused', {}).get('count'):
+            names, values = ['fused'], [latency['fused']['median_ms']]
+            if latency.get('unfused', {}).get('count'):
+                names.append('unfused')
+                values.append(latency['unfused']['median_ms'])
+            axes[1].bar(names, values, color=['tab:green', 'tab:gray'][:len(values)])
+            axes[1].set_ylabel('median ms per image')
+            axes[1].set_title('inference latency, demo images')
+        if full_size:
+            series = [('fused', 'fused_ms'), ('unfused', 'unfused_ms'),
+                      ('LayerNorm Swin-T', 'baseline_ms')]
+            grouped_bars(axes[2], [f"{r['part']}\n{r['shape']}" for r in full_size],
+                         {name: [r.get(key, 0.0) for r in full_size] for name, key in series},
+                         color=['tab:green', 'tab:gray', 'tab:blue'])
+            axes[2].set_ylabel('median ms per image')
+            axes[2].set_title('latency at the full test size')
+            axes[2].legend(fontsize=8)
 
 
 if __name__ == '__main__':

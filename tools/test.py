@@ -23,25 +23,20 @@ import argparse
 import copy
 import json
 import os.path as osp
-import sys
 import warnings
 
-REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+import numpy as np
+import torch
+from mmengine.config import Config, ConfigDict, DictAction
+from mmengine.dist import is_main_process
+from mmengine.registry import RUNNERS
+from mmengine.runner import Runner
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from mmengine.config import Config, ConfigDict, DictAction  # noqa: E402
-from mmengine.dist import is_main_process  # noqa: E402
-from mmengine.registry import RUNNERS  # noqa: E402
-from mmengine.runner import Runner  # noqa: E402
-
-import mmslab  # noqa: E402,F401  (registers mmslab's components)
-import mmslab.engine  # noqa: E402,F401  (weights-only checkpoint loading for mmengine)
-from mmslab.utils import DataNotFoundError, check_data_root  # noqa: E402
-from mmslab.utils.launch import (add_launcher_args, export_local_rank,  # noqa: E402
-                                 resolve_scope, setup_cpu_distributed,
+import mmslab  # noqa: F401  (registers mmslab's components)
+import mmslab.engine  # noqa: F401  (weights-only checkpoint loading for mmengine)
+from mmslab.utils import DataNotFoundError, check_data_root
+from mmslab.utils.launch import (add_launcher_args, export_local_rank, load_config,
+                                 set_work_dir, setup_cpu_distributed,
                                  teardown_cpu_distributed)
 
 METRICS_PREFIX = 'mmslab-test-metrics: '
@@ -212,20 +207,15 @@ def setup_runtime_backend(cfg: Config, args, scope: str) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = Config.fromfile(args.config)
-    cfg.launcher = args.launcher
-    if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
-    scope = resolve_scope(cfg, args.config)
+    # launcher first, so that --cfg-options may still override it
+    cfg, scope = load_config(args.config,
+                             {'launcher': args.launcher, **(args.cfg_options or {})})
     try:
         check_data_root(cfg, 'test', args.config)
     except DataNotFoundError as err:
         raise SystemExit(f'error: {err}')
 
-    if args.work_dir is not None:
-        cfg.work_dir = args.work_dir
-    elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+    set_work_dir(cfg, args.work_dir, args.config)
 
     cfg.load_from = args.checkpoint
     cfg.resume = False

@@ -9,23 +9,17 @@ path resumes from the latest checkpoint in the work directory. Multi-process tra
 """
 import argparse
 import logging
-import os.path as osp
-import sys
 
-REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+from mmengine.config import Config, DictAction
+from mmengine.logging import print_log
+from mmengine.registry import RUNNERS
+from mmengine.runner import Runner
 
-from mmengine.config import Config, DictAction  # noqa: E402
-from mmengine.logging import print_log  # noqa: E402
-from mmengine.registry import RUNNERS  # noqa: E402
-from mmengine.runner import Runner  # noqa: E402
-
-import mmslab  # noqa: E402,F401  (registers mmslab's components)
-import mmslab.engine  # noqa: E402,F401  (weights-only checkpoint loading for mmengine)
-from mmslab.utils import DataNotFoundError, check_data_root  # noqa: E402
-from mmslab.utils.launch import (add_launcher_args, export_local_rank,  # noqa: E402
-                                 resolve_scope, setup_cpu_distributed,
+import mmslab  # noqa: F401  (registers mmslab's components)
+import mmslab.engine  # noqa: F401  (weights-only checkpoint loading for mmengine)
+from mmslab.utils import DataNotFoundError, check_data_root
+from mmslab.utils.launch import (add_launcher_args, export_local_rank, load_config,
+                                 set_work_dir, setup_cpu_distributed,
                                  teardown_cpu_distributed)
 
 
@@ -50,13 +44,6 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     export_local_rank(args)
     return args
-
-
-def default_work_dir(cfg: Config, work_dir, config_path: str) -> None:
-    if work_dir is not None:
-        cfg.work_dir = work_dir
-    elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(config_path))[0])
 
 
 def enable_amp(cfg: Config) -> None:
@@ -86,16 +73,13 @@ def enable_auto_scale_lr(cfg: Config) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = Config.fromfile(args.config)
-    cfg.launcher = args.launcher
-    if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
-    resolve_scope(cfg, args.config)
+    # launcher first, so that --cfg-options may still override it
+    cfg, _ = load_config(args.config, {'launcher': args.launcher, **(args.cfg_options or {})})
     try:
         check_data_root(cfg, 'train', args.config)
     except DataNotFoundError as err:
         raise SystemExit(f'error: {err}')
-    default_work_dir(cfg, args.work_dir, args.config)
+    set_work_dir(cfg, args.work_dir, args.config)
 
     if args.amp:
         enable_amp(cfg)

@@ -15,11 +15,11 @@ import os.path as osp
 
 import mmcv
 import numpy as np
-from mmengine.config import Config, DictAction
+from mmengine.config import DictAction
 from mmengine.utils import ProgressBar
 
 import mmslab
-from mmslab.utils.launch import resolve_scope
+from mmslab.utils.launch import load_config
 
 
 def parse_args(argv=None):
@@ -49,10 +49,7 @@ def val_images(cfg, n):
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = Config.fromfile(args.config)
-    if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
-    scope = resolve_scope(cfg, args.config)
+    cfg, scope = load_config(args.config, args.cfg_options)
     cfg.model.backbone.init_cfg = None  # weights come from the checkpoint
     if scope == 'mmdet':
         from mmdet.apis import inference_detector as infer, init_detector as init

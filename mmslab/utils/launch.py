@@ -1,17 +1,28 @@
-"""Shared set-up of mmslab's command-line tools (scope, CPU distributed runs, models)."""
+"""Shared set-up of mmslab's command-line tools (config and scope, work dir, CPU distributed
+runs, models).
+
+Every tool picks the codebase the same way: :func:`load_config` reads the config, applies
+``--cfg-options`` and makes its ``default_scope`` (``'mmdet'`` or ``'mmseg'``) the default;
+:func:`model_registry` is that codebase's ``MODELS``; :func:`build_model_from_config` builds the
+model there.
+"""
 import datetime
+import importlib
 import os
 import os.path as osp
+from typing import Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from mmengine.config import Config
-from mmengine.registry import init_default_scope
+from mmengine.registry import Registry, init_default_scope
 
 SCOPES = ('mmdet', 'mmseg')
 
 
-def resolve_scope(cfg: Config, config_path: str) -> str:
+def resolve_scope(cfg: Config, config_path: Optional[str] = None) -> str:
     """The config's ``default_scope``, made the default; exits clearly if missing or unknown."""
+    config_path = config_path or cfg.filename
     scope = cfg.get('default_scope', None)
     if scope not in SCOPES:
         what = 'has no default_scope' if scope is None else f'has default_scope={scope!r}'
@@ -19,6 +30,29 @@ def resolve_scope(cfg: Config, config_path: str) -> str:
                          f"default_scope = 'mmdet' (detection) or 'mmseg' (segmentation).")
     init_default_scope(scope)
     return scope
+
+
+def load_config(config_path: str, cfg_options: Optional[dict] = None) -> Tuple[Config, str]:
+    """``(cfg, scope)``: the config with ``cfg_options`` merged, its scope made the default."""
+    cfg = Config.fromfile(config_path)  # also imports cfg.custom_imports (mmslab)
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    return cfg, resolve_scope(cfg, config_path)
+
+
+def model_registry(scope: str) -> Registry:
+    """The ``MODELS`` registry of ``scope`` (``'mmdet'`` or ``'mmseg'``)."""
+    if scope not in SCOPES:
+        raise ValueError(f'scope must be one of {SCOPES}, got {scope!r}')
+    return importlib.import_module(f'{scope}.registry').MODELS
+
+
+def set_work_dir(cfg: Config, work_dir: Optional[str], config_path: str) -> None:
+    """``--work-dir``, else the config's ``work_dir``, else ``./work_dirs/<config name>``."""
+    if work_dir is not None:
+        cfg.work_dir = work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = osp.join('./work_dirs', config_stem(config_path))
 
 
 def add_launcher_args(parser) -> None:
@@ -45,7 +79,6 @@ def setup_cpu_distributed(cfg: Config, launcher: str) -> bool:
     """
     if launcher != 'pytorch' or torch.cuda.is_available():
         return False
-    import torch.distributed as dist
     cfg.merge_from_dict({'env_cfg.dist_cfg.backend': 'gloo'})
     if cfg.get('model_wrapper_cfg', None) is None:
         cfg.model_wrapper_cfg = dict(type='MMDistributedDataParallel', device_ids=None)
@@ -62,7 +95,6 @@ def setup_cpu_distributed(cfg: Config, launcher: str) -> bool:
 def teardown_cpu_distributed(own_group: bool) -> None:
     """Destroy the process group :func:`setup_cpu_distributed` created, after a barrier so
     no rank tears gloo down while another still uses it (that aborted a rank at exit)."""
-    import torch.distributed as dist
     if own_group and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -73,29 +105,14 @@ def build_model_from_config(config: str, cfg_options=None, pretrained: bool = Fa
     """``(cfg, model)`` built in the config's scope, without loading pretrained weights
     unless ``pretrained`` (inference tools load their own checkpoint). ``backbone`` replaces
     the config's backbone as a whole (e.g. by a baseline of another type)."""
-    cfg = Config.fromfile(config)
-    if cfg_options:
-        cfg.merge_from_dict(cfg_options)
-    scope = resolve_scope(cfg, config)
-    if scope == 'mmdet':
-        from mmdet.registry import MODELS
-    else:
-        from mmseg.registry import MODELS
+    cfg, scope = load_config(config, cfg_options)
     model_cfg = cfg.model.copy()
     if backbone is not None:
         model_cfg.backbone = dict(backbone)
     if not pretrained:
         model_cfg.backbone = dict(model_cfg.backbone, init_cfg=None)
         model_cfg.backbone.pop('pretrained', None)
-    return cfg, MODELS.build(model_cfg)
-
-
-def model_registry(scope: str):
-    if scope == 'mmdet':
-        from mmdet.registry import MODELS
-    else:
-        from mmseg.registry import MODELS
-    return MODELS
+    return cfg, model_registry(scope).build(model_cfg)
 
 
 def config_stem(config: str) -> str:

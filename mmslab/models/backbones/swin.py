@@ -17,7 +17,7 @@ from torch import Tensor
 from mmslab.registry import register_model
 from ..layers.affine import FoldableNorm
 from ..layers.builder import (build_norm, check_norm_cfg, get_ffn, get_window_attention,
-                              is_foldable_norm)
+                              is_foldable_norm, layer_class)
 from ..layers.deploy import Reparameterizable
 from ..layers.patch import PatchEmbed, PatchMerging
 from ..layers.shift_window import ShiftWindowAttention
@@ -57,7 +57,7 @@ class SwinBlock(Reparameterizable, nn.Module):
         if fold:
             self.attn.w_msa.expect_folded_input_norm()
         self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0 else nn.Identity()
-        if ffn_cls.includes_residual:
+        if layer_class(ffn_cls).includes_residual:
             self.norm2 = None  # the FFN normalizes its own input
             self.ffn = ffn_cls(embed_dims, feedforward_channels, idle_ratio, act_cfg,
                                drop_rate, drop_path_rate, deploy=deploy)
@@ -122,10 +122,11 @@ class ReparamSwinTransformer(ReparamBackboneMixin, BaseModule):
             and ``num_heads`` (each overridable).
         window_size: int, or one int per stage.
         norm_cfg: every norm (patch embed, blocks, patch merging, outputs): ``LN``, ``RepBN``,
-            ``PRepBN``, ``UN`` or ``TokenBN``.
+            ``PRepBN``, ``UN``, ``TokenBN`` or any registered norm (``layers/builder.py``).
         out_norm_cfg: the output norms, default ``norm_cfg``.
-        attn_types: per stage, one of ``'window'``, ``'sla'``, ``'binorm'``.
-        ffn_type: ``'mlp'`` or ``'channel_idle'`` (RePaFormer; BN inside the FFN).
+        attn_types: per stage, ``'window'``, ``'sla'``, ``'binorm'`` or a registered kernel.
+        ffn_type: ``'mlp'``, ``'channel_idle'`` (RePaFormer; BN inside the FFN) or a
+            registered FFN.
         idle_ratio: fraction of idle hidden channels of the channel-idle FFN.
         bn_stats: ``'train'`` updates BatchNorm running statistics while training;
             ``'frozen'`` keeps every BatchNorm-type layer (BN, RepBN's BN, channel-idle FFN BN,

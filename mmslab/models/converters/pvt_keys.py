@@ -15,7 +15,8 @@ def convert_pvt_keys(sd: Dict[str, Tensor], dropped: List[str]) -> 'OrderedDict'
     """Map a PVT v1 ``sd`` to mmslab names; appends the keys it drops to ``dropped``."""
     if any_key_matches(sd, r'\.mlp\.dwconv\.'):
         raise ValueError('PVT v2 checkpoints (mlp.dwconv) are not supported: mmslab has PVT v1')
-    offset = 1 if any_key_matches(sd, r'^pos_embed\d+$') else 0  # blocks follow the position embedding
+    # blocks follow the position embedding
+    offset = 1 if any_key_matches(sd, r'^pos_embed\d+$') else 0
     sla_blocks = set()
     for k in sd:
         m = re.match(r'block(\d+)\.(\d+)\.attn\.(dwc\.|positional_encoding$)', k)

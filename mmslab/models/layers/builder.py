@@ -20,8 +20,8 @@ from .window_attention import WindowKernelBase
 LayerType = Union[str, type, functools.partial]
 
 
-def _cls_of(layer_type) -> Optional[type]:
-    """The class behind a class or a (nested) partial of one."""
+def layer_class(layer_type) -> Optional[type]:
+    """The class behind a class or a (nested) partial of one (None for anything else)."""
     while isinstance(layer_type, functools.partial):
         layer_type = layer_type.func
     return layer_type if isinstance(layer_type, type) else None
@@ -52,7 +52,7 @@ def resolve_layer_type(layer_type: LayerType, base: Union[type, Tuple[type, ...]
         found = MODELS.get(aliases.get(layer_type, layer_type))
     else:
         found = layer_type
-    if found is None or not fits(_cls_of(found)):
+    if found is None or not fits(layer_class(found)):
         others = tuple(n for n in registered_types(fits) if n not in aliases.values())
         raise ValueError(f'unknown {what} {layer_type!r}; valid types: '
                          f'{tuple(aliases) + others}')
@@ -85,7 +85,7 @@ def _fits_norm(cls) -> bool:
 
 def is_foldable_norm(cfg: dict) -> bool:
     """True when the norm is a per-channel affine at inference (everything but LayerNorm)."""
-    return issubclass(_cls_of(get_norm_layer(check_norm_cfg(cfg)['type'])), FoldableNorm)
+    return issubclass(layer_class(get_norm_layer(check_norm_cfg(cfg)['type'])), FoldableNorm)
 
 
 def build_norm(cfg: dict, num_features: int, data_format: str = 'channels_last',
@@ -99,7 +99,7 @@ def build_norm(cfg: dict, num_features: int, data_format: str = 'channels_last',
     cfg = dict(check_norm_cfg(cfg, what))
     norm_type = cfg.pop('type')
     cls = get_norm_layer(norm_type, what)
-    if issubclass(_cls_of(cls), nn.LayerNorm):
+    if issubclass(layer_class(cls), nn.LayerNorm):
         if data_format != 'channels_last':
             raise ValueError('LN normalizes channels-last tokens only')
         unknown = set(cfg) - _LN_KEYS
@@ -128,7 +128,7 @@ def build_window_attention(attn_type: LayerType, qk_scale=None, attn_drop: float
                            **kwargs) -> WindowKernelBase:
     """Build a window kernel; the softmax-only options go to kernels that take them."""
     cls = get_window_attention(attn_type)
-    if _cls_of(cls).softmax_options:
+    if layer_class(cls).softmax_options:
         kwargs.update(qk_scale=qk_scale, attn_drop=attn_drop)
     return cls(**kwargs)
 
