@@ -1,8 +1,9 @@
 """Converters against the authors' models written out here, independently of mmslab.
 
 Each source model below is a transcription of the authors' module structure and forward pass
-(official Swin, the SLAB authors' progressive norm and RepBN, RePaViT's channel-idle MLP,
-official PVT v1 in its detection form), with their parameter and buffer names (see
+(official Swin, the SLAB authors' progressive norm, RepBN and simplified linear attention,
+RePaViT's channel-idle MLP, official PVT v1 in its detection form, SLAB-PVT), with their
+parameter and buffer names (see
 docs/checkpoint_formats.md). Its own ``state_dict()`` is the source layout, so a key map or a
 reshape that is wrong in the same way in both directions cannot pass: the converted weights
 must make mmslab's backbone compute what the transcription computes.
@@ -17,7 +18,8 @@ import torch.nn.functional as F
 
 import mmslab  # noqa: F401  (registers everything)
 from conftest import explicit_shifted_window_attention, randomize_weights, rel_err
-from mmslab.models import PRepBNPVT, PRepBNSwin, RePaSwin, ReparamPVT, ReparamSwinTransformer
+from mmslab.models import (PRepBNPVT, PRepBNSwin, RePaSwin, ReparamPVT, ReparamSwinTransformer,
+                           SLABPVT, SLABSwin)
 from mmslab.models.converters import convert, detect_format
 from test_converters import PVT, SWIN, load_converted
 
@@ -55,8 +57,42 @@ class AuthorsLinearNorm(nn.Module):
         return self.norm2(x)
 
 
+class AuthorsSLA(nn.Module):
+    """SLAB's simplified linear attention over ``[B, N, C]`` tokens of one square window (or
+    map): ReLU kernel on ``q`` and on ``k`` + positional encoding, per head
+    ``q (k^T v) / (q sum(k) + 1e-6)``, plus a depth-wise conv of ``v`` shared by the heads.
+    Swin windows hold one ``qkv``; PVT splits it into ``q`` and ``kv``."""
+
+    def __init__(self, dim, heads, tokens, split_qkv=False):
+        super().__init__()
+        self.heads = heads
+        if split_qkv:
+            self.q, self.kv = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim)
+        else:
+            self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        d = dim // heads
+        self.dwc = nn.Conv2d(d, d, 5, padding=2, groups=d)
+        self.positional_encoding = nn.Parameter(torch.zeros(1, tokens, dim))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        h, d, s = self.heads, c // self.heads, math.isqrt(n)
+        if hasattr(self, 'qkv'):
+            q, k, v = self.qkv(x).reshape(b, n, 3, c).unbind(2)
+        else:
+            q = self.q(x)
+            k, v = self.kv(x).reshape(b, n, 2, c).unbind(2)
+        q, k = F.relu(q), F.relu(k + self.positional_encoding)
+        q, k, v = (t.reshape(b, n, h, d).transpose(1, 2).reshape(b * h, n, d) for t in (q, k, v))
+        z = 1 / (torch.einsum('bic,bc->bi', q, k.sum(dim=1)) + 1e-6)
+        out = torch.einsum('bic,bcd,bi->bid', q, torch.einsum('bjc,bjd->bcd', k, v), z)
+        out = out + self.dwc(v.transpose(1, 2).reshape(b * h, d, s, s)).flatten(2).transpose(1, 2)
+        return self.proj(out.reshape(b, h, n, d).transpose(1, 2).reshape(b, n, c))
+
+
 # ------------------------------------------------------------------------------------------
-# Official Swin (with SLAB's norms or RePaViT's MLP)
+# Official Swin (with SLAB's norms and attention, or RePaViT's MLP)
 # ------------------------------------------------------------------------------------------
 class Mlp(nn.Module):
 
@@ -102,11 +138,15 @@ class WindowAttention(nn.Module):
 
 class SwinBlock(nn.Module):
 
-    def __init__(self, dim, heads, window, shift, norm, channel_idle):
+    def __init__(self, dim, heads, window, shift, norm, channel_idle, attn_type='window'):
         super().__init__()
-        self.shift = shift
+        self.shift, self.window = shift, window
         self.norm1 = norm(dim)
-        self.attn = WindowAttention(dim, window, heads)
+        if attn_type == 'sla':
+            assert not shift, 'shifted SLA windows are not transcribed'
+            self.attn = AuthorsSLA(dim, heads, window * window)
+        else:
+            self.attn = WindowAttention(dim, window, heads)
         if channel_idle:  # RePaViT: the MLP's BatchNorms replace the second norm
             self.mlp = ChannelIdleMlp(dim, 4 * dim)
         else:
@@ -117,10 +157,21 @@ class SwinBlock(nn.Module):
 
     def forward(self, x, hw):
         a = self.attn
-        x = x + explicit_shifted_window_attention(
-            self.norm1(x), hw, a.window, a.window // 2 if self.shift else 0, a.qkv, a.proj,
-            a.relative_position_bias_table, a.heads)
+        if isinstance(a, AuthorsSLA):
+            x = x + self._in_windows(a, self.norm1(x), hw)
+        else:
+            x = x + explicit_shifted_window_attention(
+                self.norm1(x), hw, a.window, a.window // 2 if self.shift else 0, a.qkv, a.proj,
+                a.relative_position_bias_table, a.heads)
         return x + self.mlp(self.norm2(x) if hasattr(self, 'norm2') else x)
+
+    def _in_windows(self, attn, x, hw):
+        """``attn`` on each (unshifted) ``window x window`` window of ``[B, H*W, C]``."""
+        b, _, c = x.shape
+        (h, w), s = hw, self.window
+        windows = x.view(b, h // s, s, w // s, s, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, s * s, c)
+        out = attn(windows).view(b, h // s, w // s, s, s, c).permute(0, 1, 3, 2, 4, 5)
+        return out.reshape(b, h * w, c)
 
 
 class PatchMerging(nn.Module):
@@ -141,8 +192,10 @@ class PatchMerging(nn.Module):
 class OfficialSwin(nn.Module):
     """``forward`` returns the stage features ``[B, H*W, C]`` before patch merging."""
 
-    def __init__(self, dim, depths, heads, window, norm=nn.LayerNorm, channel_idle=False):
+    def __init__(self, dim, depths, heads, window, norm=nn.LayerNorm, channel_idle=False,
+                 attn_types=('window', ) * 4):
         super().__init__()
+        windows = window if isinstance(window, tuple) else (window, ) * len(depths)
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Conv2d(3, dim, 4, 4)
         self.patch_embed.norm = norm(dim)
@@ -150,8 +203,8 @@ class OfficialSwin(nn.Module):
         for i, depth in enumerate(depths):
             layer = nn.Module()
             layer.blocks = nn.ModuleList(
-                SwinBlock(dim * 2 ** i, heads[i], window, j % 2 == 1, norm, channel_idle)
-                for j in range(depth))
+                SwinBlock(dim * 2 ** i, heads[i], windows[i], j % 2 == 1, norm, channel_idle,
+                          attn_types[i]) for j in range(depth))
             if i < len(depths) - 1:
                 layer.downsample = PatchMerging(dim * 2 ** i, norm)
             self.layers.append(layer)
@@ -187,21 +240,27 @@ SWIN_ARGS = dict(dim=SWIN['embed_dims'], depths=SWIN['depths'], heads=SWIN['num_
                  window=4)
 
 
-@pytest.mark.parametrize('fmt,norm,channel_idle,cls', [
-    ('swin', nn.LayerNorm, False, ReparamSwinTransformer),
-    ('slab', AuthorsLinearNorm, False, PRepBNSwin),
-    ('slab', AuthorsRepBN, False, partial(ReparamSwinTransformer, norm_cfg=dict(type='RepBN'))),
-    ('repavit', nn.LayerNorm, True, RePaSwin),
+SLA_STAGES = dict(attn_types=('sla', 'sla', 'window', 'window'), window=(8, 4, 4, 4))
+
+
+@pytest.mark.parametrize('fmt,src_args,cls', [
+    ('swin', dict(), ReparamSwinTransformer),
+    ('slab', dict(norm=AuthorsLinearNorm), PRepBNSwin),
+    ('slab', dict(norm=AuthorsRepBN), partial(ReparamSwinTransformer,
+                                              norm_cfg=dict(type='RepBN'))),
+    ('slab', dict(norm=AuthorsLinearNorm, **SLA_STAGES), SLABSwin),
+    ('repavit', dict(channel_idle=True), RePaSwin),
 ])
-def test_swin_family_converts_to_the_same_features(fmt, norm, channel_idle, cls):
+def test_swin_family_converts_to_the_same_features(fmt, src_args, cls):
     torch.manual_seed(0)
-    src = randomize_weights(OfficialSwin(**SWIN_ARGS, norm=norm, channel_idle=channel_idle), 1)
+    src = randomize_weights(OfficialSwin(**{**SWIN_ARGS, **src_args}), seed=1)
     sd = src.state_dict()
     assert detect_format(sd) == fmt
     new, dropped = convert(sd, fmt)
     assert {'head.weight', 'head.bias'} <= set(dropped)
     assert 'layers.2.blocks.1.attn_mask' in dropped
-    ours = load_converted(randomize_weights(cls(**SWIN, window_size=4), seed=2), new)
+    ours = load_converted(randomize_weights(cls(**SWIN, window_size=src_args.get('window', 4)),
+                                            seed=2), new)
     img = torch.randn(2, 3, 128, 128)
     with torch.no_grad():
         feats = src(img)
@@ -237,26 +296,32 @@ class PVTAttention(nn.Module):
 
 class PVTBlock(nn.Module):
 
-    def __init__(self, dim, heads, sr_ratio, mlp_ratio, norm):
+    def __init__(self, dim, heads, sr_ratio, mlp_ratio, norm, tokens, attn_type='softmax'):
         super().__init__()
         self.norm1 = norm(dim)
-        self.attn = PVTAttention(dim, heads, sr_ratio, norm)
+        if attn_type == 'sla':  # global, no spatial reduction
+            self.attn = AuthorsSLA(dim, heads, tokens, split_qkv=True)
+        else:
+            self.attn = PVTAttention(dim, heads, sr_ratio, norm)
         self.norm2 = norm(dim)
         self.mlp = Mlp(dim, dim * mlp_ratio)
 
     def forward(self, x, hw):
-        x = x + self.attn(self.norm1(x), hw)
+        x = x + (self.attn(self.norm1(x)) if isinstance(self.attn, AuthorsSLA) else
+                 self.attn(self.norm1(x), hw))
         return x + self.mlp(self.norm2(x))
 
 
 class OfficialPVT(nn.Module):
-    """``forward`` returns the four NCHW stage maps; stage 4's position embedding holds the
-    class token's row first, which the detection forward skips."""
+    """``forward`` returns the four NCHW stage maps. The official classification model
+    (``cls_token``) keeps the class token's row first in stage 4's position embedding, which
+    the detection forward skips; the SLAB authors' PVT has neither."""
 
-    # One norm for all (the official patch embeddings' LayerNorm has eps 1e-5; mmdet's and
-    # mmslab's PVT use one norm config everywhere).
+    # One norm for all, as the SLAB authors' PVT (the official patch embeddings' LayerNorm has
+    # eps 1e-5; mmdet's and mmslab's PVT use one norm config everywhere).
     def __init__(self, img_size, widths, depths, heads, patches, sr_ratios, mlp_ratios,
-                 norm=partial(nn.LayerNorm, eps=1e-6)):
+                 norm=partial(nn.LayerNorm, eps=1e-6), attn_types=('softmax', ) * 4,
+                 cls_token=True):
         super().__init__()
         self.depths = depths
         grid = img_size
@@ -267,13 +332,14 @@ class OfficialPVT(nn.Module):
                                    patches[s - 1], patches[s - 1])
             embed.norm = norm(widths[s - 1])
             setattr(self, f'patch_embed{s}', embed)
-            tokens = grid * grid + (1 if s == 4 else 0)
+            tokens = grid * grid + (1 if s == 4 and cls_token else 0)
             setattr(self, f'pos_embed{s}', nn.Parameter(torch.zeros(1, tokens, widths[s - 1])))
             setattr(self, f'block{s}', nn.ModuleList(
-                PVTBlock(widths[s - 1], heads[s - 1], sr_ratios[s - 1], mlp_ratios[s - 1], norm)
-                for _ in range(depths[s - 1])))
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, widths[3]))
-        self.norm = norm(widths[3])
+                PVTBlock(widths[s - 1], heads[s - 1], sr_ratios[s - 1], mlp_ratios[s - 1], norm,
+                         grid * grid, attn_types[s - 1]) for _ in range(depths[s - 1])))
+        if cls_token:
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, widths[3]))
+            self.norm = norm(widths[3])
         self.head = nn.Linear(widths[3], 10)
 
     def forward(self, img):
@@ -284,7 +350,7 @@ class OfficialPVT(nn.Module):
             b, c, h, w = x.shape
             x = embed.norm(x.flatten(2).transpose(1, 2))
             pos = getattr(self, f'pos_embed{s}')
-            x = x + (pos[:, 1:] if s == 4 else pos)
+            x = x + (pos[:, 1:] if pos.shape[1] > h * w else pos)
             for block in getattr(self, f'block{s}'):
                 x = block(x, (h, w))
             x = x.reshape(b, h, w, c).permute(0, 3, 1, 2)
@@ -298,17 +364,19 @@ PVT_ARGS = dict(img_size=PVT['pretrain_img_size'],
                 sr_ratios=(8, 4, 2, 1), mlp_ratios=(8, 8, 4, 4))
 
 
-@pytest.mark.parametrize('fmt,norm,cls', [
-    ('pvt', partial(nn.LayerNorm, eps=1e-6), ReparamPVT),
-    ('slab', AuthorsLinearNorm, PRepBNPVT),
+@pytest.mark.parametrize('fmt,src_args,cls', [
+    ('pvt', dict(), ReparamPVT),
+    ('slab', dict(norm=AuthorsLinearNorm, cls_token=False), PRepBNPVT),
+    ('slab', dict(norm=AuthorsLinearNorm, cls_token=False, attn_types=('sla', ) * 4), SLABPVT),
 ])
-def test_pvt_family_converts_to_the_same_features(fmt, norm, cls):
+def test_pvt_family_converts_to_the_same_features(fmt, src_args, cls):
     torch.manual_seed(0)
-    src = randomize_weights(OfficialPVT(**PVT_ARGS, norm=norm), seed=1)
+    src = randomize_weights(OfficialPVT(**PVT_ARGS, **src_args), seed=1)
     sd = src.state_dict()
     assert detect_format(sd) == fmt
     new, dropped = convert(sd, fmt)
-    assert {'cls_token', 'head.weight', 'head.bias'} <= set(dropped)
+    assert {'head.weight', 'head.bias'} <= set(dropped)
+    assert ('cls_token' in dropped) == src_args.get('cls_token', True)
     ours = load_converted(randomize_weights(cls(**PVT), seed=2), new)
     img = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
