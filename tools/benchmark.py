@@ -21,6 +21,7 @@ from mmengine.utils import ProgressBar
 
 import mmslab  # noqa: F401
 from mmslab.utils.launch import build_model_from_config
+from mmslab.models.layers.window_attention import window_softmax_choices
 from mmslab.utils.machine import machine_info, machine_line
 from mmslab.utils.plotting import saved_figure
 from mmslab.benchmark import (fused_copy, make_runners, measure_interleaved,
@@ -115,7 +116,8 @@ def main(argv=None):
     report = dict(config=args.config, checkpoint=args.checkpoint, machine=machine_info(),
                   threads=torch.get_num_threads(),
                   repeat=args.repeat, warmup=args.warmup, torch=torch.__version__,
-                  results=results, ratios=ratios(results, name))
+                  results=results, ratios=ratios(results, name),
+                  window_softmax=window_softmax_choices())
     print_table(report, name)
     with open(osp.join(args.out, 'benchmark.json'), 'w') as f:
         json.dump(report, f, indent=2)
