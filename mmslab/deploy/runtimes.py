@@ -104,8 +104,7 @@ def quantize_onnxruntime(onnx_path: str, out_path: str,
     Only the layers with weights (MatMul / Gemm / Conv whose second input is a stored tensor)
     are quantized: they are where the time goes. Quantizing also the activation x activation
     products (attention scores, SLA's K^T V), the residual additions and the normalizers cost
-    SLAB-Swin-T 0.027 bbox mAP on the demo for little speed; NNCF's transformer preset for
-    OpenVINO leaves such operations in float as well."""
+    SLAB-Swin-T 0.027 bbox mAP on the demo (0.004 with weight layers only)."""
     from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType,
                                           quantize_static)
     from onnxruntime.quantization.shape_inference import quant_pre_process
