@@ -64,7 +64,9 @@ class PatchEmbed(_NormFoldingLayer):
         self.deploy = deploy
 
     def forward(self, x: Tensor) -> Tuple[Tensor, Tuple[int, int]]:
-        h, w = x.shape[-2:]
+        # Plain ints: traced, `-(-h // s)` would export as ONNX Div, which truncates toward
+        # zero where Python floors, and the padding would be lost (static-shape export).
+        h, w = int(x.shape[-2]), int(x.shape[-1])
         k, s = self.patch_size, self.stride
         pad_h = max((-(-h // s) - 1) * s + k - h, 0)
         pad_w = max((-(-w // s) - 1) * s + k - w, 0)
@@ -86,8 +88,13 @@ class PatchMerging(_NormFoldingLayer):
     """2x2 patch merging: gather, norm, linear reduction, as mmdet's ``PatchMerging``.
 
     Channels of a merged token are ordered like ``nn.Unfold`` (channel-major, then the 2x2
-    offsets) so mmdet weights load. Odd sizes are zero-padded at the bottom/right. In deploy
-    form a foldable norm is folded into ``reduction`` (which then has a bias).
+    offsets) so mmdet weights load. In deploy form a foldable norm is folded into
+    ``reduction`` (which then has a bias); with no norm left between them, the gather runs
+    offset-major (row offset, column offset, channel) against the reduction's weight columns
+    permuted to match (a cached copy; the state dict keeps unfold's order): gathering whole
+    ``C``-channel tokens is a block copy, where unfold's order interleaves single values (a
+    6-D transpose that cost onnxruntime 3 % of Swin-T at 512x512). Odd sizes are zero-padded
+    at the bottom/right.
 
     Shape: (``[B, H*W, C]``, ``(H, W)``) -> (``[B, ceil(H/2)*ceil(W/2), C_out]``, new hw).
     """
@@ -104,6 +111,16 @@ class PatchMerging(_NormFoldingLayer):
         self.reduction = nn.Linear(4 * in_channels, out_channels, bias=fold)
         self.norm_folded = fold
         self.deploy = deploy
+        self._offset_major = None  # (key of the weight it was made from, permuted weight)
+
+    def _offset_major_weight(self) -> Tensor:
+        weight = self.reduction.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        if self._offset_major is None or self._offset_major[0] != key:
+            out_ch, c4 = weight.shape
+            permuted = weight.detach().view(out_ch, c4 // 4, 2, 2).permute(0, 2, 3, 1)
+            self._offset_major = (key, permuted.reshape(out_ch, c4).contiguous())
+        return self._offset_major[1]
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tuple[Tensor, Tuple[int, int]]:
         b, n, c = x.shape
@@ -114,6 +131,10 @@ class PatchMerging(_NormFoldingLayer):
         if h % 2 or w % 2:
             x = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))
         h2, w2 = x.shape[1] // 2, x.shape[2] // 2
+        if self.deploy and isinstance(self.norm, nn.Identity):
+            # [B, h2, 2, w2, 2*C] -> [B, h2, w2, 2, 2*C]: offset-major, moves whole tokens.
+            x = x.view(b, h2, 2, w2, 2 * c).transpose(2, 3).reshape(b, h2 * w2, 4 * c)
+            return F.linear(x, self._offset_major_weight(), self.reduction.bias), (h2, w2)
         # [B, h2, 2, w2, 2, C] -> [B, h2, w2, C, 2, 2]: unfold's channel-major order.
         x = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 5, 2, 4).reshape(b, h2 * w2, 4 * c)
         return self.reduction(self.norm(x)), (h2, w2)

@@ -78,8 +78,8 @@ class ShiftWindowAttention(nn.Module):
         slot_of_token[gather[valid]] = slots[valid]
         layout = dict(wh=wh, ww=ww, hp=hp, wp=wp, shift=s, num_windows=nwh * nww,
                       identity=(wh, ww) == (h, w) and s == 0,
-                      gather=gather.clamp(max=h * w - 1), pad_slots=slots[~valid],
-                      pad_mask=~valid,
+                      gather=gather.clamp(max=h * w - 1), gather_or_pad=gather,
+                      pad_slots=slots[~valid],
                       bidx=slot_of_token // n, pidx=slot_of_token % n,
                       valid=valid.view(-1, n) if not bool(valid.all()) else None)
         layout['shift_mask'] = self._shift_mask(hp, wp, wh, ww, s, device)
@@ -104,6 +104,14 @@ class ShiftWindowAttention(nn.Module):
         diff = win[:, None, :] - win[:, :, None]
         return torch.from_numpy(np.where(diff != 0, -100.0, 0.0).astype(np.float32)).to(device)
 
+    @staticmethod
+    def _pad_row(kernel, like: Tensor) -> Tensor:
+        """``[1, 1, 3C]``: what a padded token is after ``qkv``."""
+        pad = kernel.pad_value()
+        if pad is None:
+            return like.new_zeros(1, 1, like.shape[-1])
+        return pad.to(like.dtype).view(1, 1, -1)
+
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
         b, n, c = x.shape
         # Plain ints even under tracing (ONNX export): the layout and masks are constants of
@@ -117,19 +125,22 @@ class ShiftWindowAttention(nn.Module):
         nw, wh, ww = lay['num_windows'], lay['wh'], lay['ww']
         if lay['identity']:
             windows = kernel.qkv(x)
+        elif not lay['pad_slots'].numel():
+            windows = kernel.qkv(x.index_select(1, lay['gather']))
+        elif torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
+            # Exported graphs: qkv on the tokens, one padded row appended, one gather (index
+            # h*w is the padded row). Plain Concat + Gather; a masked select or index_put of
+            # the padded slots costs runtimes a slow broadcast Where (8 % of onnxruntime's
+            # time at 512x512) or an unsupported Reshape.
+            tokens = kernel.qkv(x)  # [B, H*W, 3C]
+            pad = self._pad_row(kernel, tokens).expand(b, 1, 3 * c)
+            windows = torch.cat([tokens, pad], dim=1).index_select(1, lay['gather_or_pad'])
         else:
             # Gather the C-channel tokens (a third of the data of qkv), then qkv per slot;
             # padded slots are overwritten with the value a padded token has after qkv.
             windows = kernel.qkv(x.index_select(1, lay['gather']))  # [B, nW*N, 3C]
-            if lay['pad_slots'].numel():
-                pad = kernel.pad_value()
-                pad = windows.new_zeros(()) if pad is None else pad.to(windows.dtype)
-                if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
-                    # index_put exports to a Reshape that onnxruntime rejects; a select by
-                    # a constant mask is the same values in plain ops.
-                    windows = torch.where(lay['pad_mask'].view(1, -1, 1), pad, windows)
-                else:
-                    windows[:, lay['pad_slots']] = pad
+            windows[:, lay['pad_slots']] = self._pad_row(kernel, windows)
+        if not lay['identity']:
             windows = windows.view(b * nw, wh * ww, 3 * c)
         out = kernel.attend(windows, nw, (wh, ww), shift_mask=lay['shift_mask'],
                             valid=lay['valid'],

@@ -1,0 +1,46 @@
+"""The exported graph of each fused backbone against the *unfused* PyTorch model.
+
+Export takes its own code paths (padded window slots from an appended row and one gather,
+offset-major patch merging against permuted weights, matmul softmax); the unfused model
+takes the training-form paths (gather, qkv, index_put; unfold-ordered merging; norms
+applied). Shapes with padded windows, odd merges and a map smaller than a window.
+"""
+import numpy as np
+import pytest
+import torch
+
+import mmslab
+from conftest import randomize_weights
+from mmslab.deploy import export_onnx
+from test_swin_backbones import PRESETS, build_preset
+from test_pvt_backbones import TINY as PVT_TINY
+
+ort = pytest.importorskip('onnxruntime')
+
+
+def build_pvt(type_):
+    from mmseg.registry import MODELS
+    return MODELS.build(dict(type=type_, **PVT_TINY, norm_cfg=dict(type='PRepBN', step=4)))
+
+
+CASES = [(name, (75, 106)) for name in PRESETS]  # 19x27 tokens: padded windows, odd merges
+CASES += [('PRepBNPVT', (80, 112)), ('SLABPVT', (80, 112))]  # SLA's resized encoding
+
+
+@pytest.mark.parametrize('name,shape', CASES)
+def test_fused_onnx_backbone_matches_unfused_model(name, shape, tmp_path):
+    torch.manual_seed(0)
+    model = build_pvt(name) if name.endswith('PVT') else build_preset(name)
+    model.init_weights()
+    randomize_weights(model)  # biases too: padded slots carry qkv's bias
+    x = torch.randn(1, 3, *shape)
+    with torch.no_grad():
+        ref = [o.numpy() for o in model(x)]
+    mmslab.reparameterize(model)
+    path = str(tmp_path / 'backbone.onnx')
+    export_onnx(model, 'backbone', shape, path)
+    sess = ort.InferenceSession(path, providers=['CPUExecutionProvider'])
+    outs = sess.run(None, {'image': x.numpy()})
+    assert [o.shape for o in outs] == [r.shape for r in ref]
+    for r, o in zip(ref, outs):
+        assert np.abs(o - r).max() / np.abs(r).max() <= 1e-4
