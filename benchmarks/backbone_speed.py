@@ -20,6 +20,7 @@ from mmengine.utils import ProgressBar
 import mmslab
 from mmslab.benchmark import measure_interleaved, parse_shape, summarize
 from mmslab.models.layers.window_attention import window_softmax_choices
+from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
 from mmslab.utils.machine import machine_info, machine_line
 from mmslab.utils.plotting import grouped_bars, saved_figure
 
@@ -66,8 +67,10 @@ def main(argv=None):
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--compile', action='store_true',
                    help='add torch.compile of the fused RePa/PRepBN Swin-T (separate rows)')
+    add_allocator_argument(p)
     p.add_argument('--out', default='work_dirs/speed')
     args = p.parse_args(argv)
+    set_allocator_mode(args.malloc)
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     models = build_models()

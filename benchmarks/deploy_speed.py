@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import os.path as osp
+import shutil
 import tempfile
 
 import numpy as np
@@ -29,6 +30,7 @@ from mmslab.deploy import (convert_to_openvino, export_onnx, quantize_onnxruntim
                            quantize_openvino)
 from mmslab.deploy.runtimes import OnnxRuntimeModel, OpenVINOModel
 from mmslab.models.layers.window_attention import window_softmax_choices
+from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
 from mmslab.utils.machine import machine_info, machine_line
 from mmslab.utils.plotting import grouped_bars, saved_figure
 
@@ -140,11 +142,34 @@ def main(argv=None):
     p.add_argument('--calib-images', type=int, default=4)
     p.add_argument('--upernet', action='store_true',
                    help='add whole-model UperNet rows (512x512)')
+    add_allocator_argument(p)
     p.add_argument('--out', default='work_dirs/deploy_speed')
     args = p.parse_args(argv)
+    set_allocator_mode(args.malloc)
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix='mmslab_deploy_')
+    tmp = tempfile.mkdtemp(prefix='mmslab_deploy_')  # exported files: GBs at 800x1344
+    try:
+        rows, checks = measure_all(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    machine = machine_info()
+    report = dict(machine=machine, threads=args.threads, repeat=args.repeat,
+                  warmup=args.warmup, calib_images=args.calib_images, rows=rows,
+                  targets=checks, window_softmax=window_softmax_choices())
+    print(f'\nmachine: {machine_line(machine)}')
+    for c in checks:
+        print(f"  {c['shape']:9s} {c['what']:52s} {c['ratio']:.2f}x (target >= "
+              f"{c['target']:.1f}: {'met' if c['met'] else 'NOT met'})")
+    with open(osp.join(args.out, 'deploy_speed.json'), 'w') as f:
+        json.dump(report, f, indent=2)
+    plot(report, osp.join(args.out, 'deploy_speed.png'))
+    print(f"wrote {osp.join(args.out, 'deploy_speed.json')} and deploy_speed.png")
+    return report
+
+
+def measure_all(args, tmp):
+    """Export, convert, quantize and time every case; returns (rows, target checks)."""
     rows, checks = [], []
     cases = [(s, 'backbone') for s in args.shapes]
     if args.upernet:
@@ -181,19 +206,7 @@ def main(argv=None):
             for t in targets(res, args.runtimes):
                 checks.append(dict(shape=shape_text, **t, met=t['ratio'] >= t['target']))
         print_table(rows, kind, shape_text, args.runtimes)
-    machine = machine_info()
-    report = dict(machine=machine, threads=args.threads, repeat=args.repeat,
-                  warmup=args.warmup, calib_images=args.calib_images, rows=rows,
-                  targets=checks, window_softmax=window_softmax_choices())
-    print(f'\nmachine: {machine_line(machine)}')
-    for c in checks:
-        print(f"  {c['shape']:9s} {c['what']:52s} {c['ratio']:.2f}x (target >= "
-              f"{c['target']:.1f}: {'met' if c['met'] else 'NOT met'})")
-    with open(osp.join(args.out, 'deploy_speed.json'), 'w') as f:
-        json.dump(report, f, indent=2)
-    plot(report, osp.join(args.out, 'deploy_speed.png'))
-    print(f"wrote {osp.join(args.out, 'deploy_speed.json')} and deploy_speed.png")
-    return report
+    return rows, checks
 
 
 def print_table(rows, kind, shape, runtimes):

@@ -22,6 +22,7 @@ from mmengine.utils import ProgressBar
 import mmslab  # noqa: F401
 from mmslab.utils.launch import build_model_from_config
 from mmslab.models.layers.window_attention import window_softmax_choices
+from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
 from mmslab.utils.machine import machine_info, machine_line
 from mmslab.utils.plotting import saved_figure
 from mmslab.benchmark import (fused_copy, make_runners, measure_interleaved,
@@ -47,8 +48,10 @@ def parse_args(argv=None):
     p.add_argument('--compile', action='store_true',
                    help='also time torch.compile of the fused backbone (reported separately)')
     p.add_argument('--cfg-options', nargs='+', action=DictAction)
+    add_allocator_argument(p)
     p.add_argument('--out', required=True, help='output directory')
     args = p.parse_args(argv)
+    set_allocator_mode(args.malloc)
     if args.repeat < 1 or args.warmup < 0:
         p.error('--repeat must be >= 1 and --warmup >= 0')
     return args

@@ -13,6 +13,7 @@ from typing import List, Sequence
 import numpy as np
 
 RUNTIMES = ('onnxruntime', 'openvino')
+WEIGHT_OPS = ('MatMul', 'Gemm', 'Conv')  # the op types ORT INT8 quantizes (with weights)
 
 
 class RuntimeModel:
@@ -128,7 +129,8 @@ def quantize_onnxruntime(onnx_path: str, out_path: str,
     try:
         quantize_static(prepared, out_path, Reader(), quant_format=QuantFormat.QDQ,
                         per_channel=True, activation_type=QuantType.QUInt8,
-                        weight_type=QuantType.QInt8, nodes_to_quantize=weight_layers(prepared))
+                        weight_type=QuantType.QInt8, nodes_to_quantize=weight_layers(prepared),
+                        op_types_to_quantize=list(WEIGHT_OPS))
     finally:
         if osp.exists(prepared):
             os.remove(prepared)
@@ -141,7 +143,7 @@ def weight_layers(onnx_path: str) -> List[str]:
     graph = onnx.load(onnx_path).graph
     weights = {init.name for init in graph.initializer}
     return [n.name for n in graph.node
-            if n.op_type in ('MatMul', 'Gemm', 'Conv') and len(n.input) > 1
+            if n.op_type in WEIGHT_OPS and len(n.input) > 1
             and n.input[1] in weights]
 
 

@@ -9,6 +9,8 @@ from typing import Dict, List
 
 import torch
 
+from .allocator import allocator_info
+
 # The ISA extensions that decide which CPU kernels PyTorch / onnxruntime / OpenVINO pick.
 _ISA_FLAGS = ('avx2', 'fma', 'avx512f', 'avx512_vnni', 'avx512_bf16', 'amx_tile', 'amx_int8',
               'amx_bf16', 'avx_vnni')
@@ -53,10 +55,12 @@ def machine_info() -> dict:
     return dict(cpu=info.get('model name', platform.processor() or 'unknown'),
                 isa=isa_level(flags), isa_flags=flags, blas=blas_backend(),
                 torch_threads=torch.get_num_threads(), torch=torch.__version__,
-                python=platform.python_version())
+                python=platform.python_version(), memory_allocator=allocator_info())
 
 
 def machine_line(info: dict = None) -> str:
     """``'AMD EPYC (avx512, mkl), 2 threads'`` for tables and logs."""
     info = info or machine_info()
-    return f"{info['cpu']} ({info['isa']}, {info['blas']}), {info['torch_threads']} threads"
+    line = f"{info['cpu']} ({info['isa']}, {info['blas']}), {info['torch_threads']} threads"
+    alloc = info.get('memory_allocator')
+    return line + (f", malloc {alloc['mode']}" if alloc else '')

@@ -89,12 +89,12 @@ class PatchMerging(_NormFoldingLayer):
 
     Channels of a merged token are ordered like ``nn.Unfold`` (channel-major, then the 2x2
     offsets) so mmdet weights load. In deploy form a foldable norm is folded into
-    ``reduction`` (which then has a bias); with no norm left between them, the gather runs
-    offset-major (row offset, column offset, channel) against the reduction's weight columns
-    permuted to match (a cached copy; the state dict keeps unfold's order): gathering whole
-    ``C``-channel tokens is a block copy, where unfold's order interleaves single values (a
-    6-D transpose that cost onnxruntime 3 % of Swin-T at 512x512). Odd sizes are zero-padded
-    at the bottom/right.
+    ``reduction`` (which then has a bias), and the gather runs offset-major (row offset,
+    column offset, channel) against the weights permuted to match (cached copies of the
+    reduction's columns and of a remaining LayerNorm's affine, whose statistics ignore the
+    order; the state dict keeps unfold's order): gathering whole ``C``-channel tokens is a
+    block copy, where unfold's order interleaves single values (a 6-D transpose that cost
+    onnxruntime 3 % of Swin-T at 512x512). Odd sizes are zero-padded at the bottom/right.
 
     Shape: (``[B, H*W, C]``, ``(H, W)``) -> (``[B, ceil(H/2)*ceil(W/2), C_out]``, new hw).
     """
@@ -111,16 +111,24 @@ class PatchMerging(_NormFoldingLayer):
         self.reduction = nn.Linear(4 * in_channels, out_channels, bias=fold)
         self.norm_folded = fold
         self.deploy = deploy
-        self._offset_major = None  # (key of the weight it was made from, permuted weight)
+        self._offset_major = {}  # name -> (key of the tensor it was made from, permuted copy)
 
-    def _offset_major_weight(self) -> Tensor:
-        weight = self.reduction.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-        if self._offset_major is None or self._offset_major[0] != key:
-            out_ch, c4 = weight.shape
-            permuted = weight.detach().view(out_ch, c4 // 4, 2, 2).permute(0, 2, 3, 1)
-            self._offset_major = (key, permuted.reshape(out_ch, c4).contiguous())
-        return self._offset_major[1]
+    def _offset_major_copy(self, name: str, t: Tensor) -> Tensor:
+        """``t`` with its last dim (``4*C``) permuted from unfold's ``(C, 2, 2)`` order to
+        ``(2, 2, C)``; cached until ``t`` changes."""
+        key = (t.data_ptr(), t._version, t.dtype, t.device)
+        cached = self._offset_major.get(name)
+        if cached is None or cached[0] != key:
+            lead, c4 = t.shape[:-1], t.shape[-1]
+            permuted = t.detach().reshape(*lead, c4 // 4, 2, 2).movedim(-3, -1)
+            cached = (key, permuted.reshape(*lead, c4).contiguous())
+            self._offset_major[name] = cached
+        return cached[1]
+
+    def _offset_major_ready(self) -> bool:
+        norm = self.norm
+        return self.deploy and (isinstance(norm, nn.Identity) or (
+            type(norm) is nn.LayerNorm and norm.weight is not None and norm.bias is not None))
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tuple[Tensor, Tuple[int, int]]:
         b, n, c = x.shape
@@ -131,10 +139,16 @@ class PatchMerging(_NormFoldingLayer):
         if h % 2 or w % 2:
             x = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))
         h2, w2 = x.shape[1] // 2, x.shape[2] // 2
-        if self.deploy and isinstance(self.norm, nn.Identity):
+        if self._offset_major_ready():
             # [B, h2, 2, w2, 2*C] -> [B, h2, w2, 2, 2*C]: offset-major, moves whole tokens.
             x = x.view(b, h2, 2, w2, 2 * c).transpose(2, 3).reshape(b, h2 * w2, 4 * c)
-            return F.linear(x, self._offset_major_weight(), self.reduction.bias), (h2, w2)
+            if isinstance(self.norm, nn.LayerNorm):
+                x = F.layer_norm(x, self.norm.normalized_shape,
+                                 self._offset_major_copy('norm.weight', self.norm.weight),
+                                 self._offset_major_copy('norm.bias', self.norm.bias),
+                                 self.norm.eps)
+            weight = self._offset_major_copy('reduction.weight', self.reduction.weight)
+            return F.linear(x, weight, self.reduction.bias), (h2, w2)
         # [B, h2, 2, w2, 2, C] -> [B, h2, w2, C, 2, 2]: unfold's channel-major order.
         x = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 5, 2, 4).reshape(b, h2 * w2, 4 * c)
         return self.reduction(self.norm(x)), (h2, w2)
