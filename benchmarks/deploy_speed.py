@@ -62,9 +62,16 @@ def build_backbone(name: str) -> torch.nn.Module:
 
 
 def build_upernet(config: str, fuse: bool) -> torch.nn.Module:
+    from mmengine.logging import MMLogger
     from mmslab.utils.launch import build_model_from_config
     _, model = build_model_from_config(config)
-    model.init_weights()
+    logger = MMLogger.get_current_instance()
+    level = logger.level
+    logger.setLevel('WARNING')  # init_weights logs every parameter at INFO
+    try:
+        model.init_weights()
+    finally:
+        logger.setLevel(level)
     model.eval()
     if fuse:
         mmslab.reparameterize(model)
@@ -150,27 +157,30 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix='mmslab_deploy_')  # exported files: GBs at 800x1344
     try:
-        rows, checks = measure_all(args, tmp)
+        # The JSON is rewritten after every case: a long run that fails late keeps the rest.
+        report = measure_all(args, tmp, lambda rep: save_report(rep, args.out))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    machine = machine_info()
-    report = dict(machine=machine, threads=args.threads, repeat=args.repeat,
-                  warmup=args.warmup, calib_images=args.calib_images, rows=rows,
-                  targets=checks, window_softmax=window_softmax_choices())
-    print(f'\nmachine: {machine_line(machine)}')
-    for c in checks:
+    print(f'\nmachine: {machine_line(report["machine"])}')
+    for c in report['targets']:
         print(f"  {c['shape']:9s} {c['what']:52s} {c['ratio']:.2f}x (target >= "
               f"{c['target']:.1f}: {'met' if c['met'] else 'NOT met'})")
-    with open(osp.join(args.out, 'deploy_speed.json'), 'w') as f:
-        json.dump(report, f, indent=2)
     plot(report, osp.join(args.out, 'deploy_speed.png'))
     print(f"wrote {osp.join(args.out, 'deploy_speed.json')} and deploy_speed.png")
     return report
 
 
-def measure_all(args, tmp):
-    """Export, convert, quantize and time every case; returns (rows, target checks)."""
+def save_report(report: dict, out_dir: str) -> None:
+    with open(osp.join(out_dir, 'deploy_speed.json'), 'w') as f:
+        json.dump(report, f, indent=2)
+
+
+def measure_all(args, tmp, save) -> dict:
+    """Export, convert, quantize and time every case; ``save(report)`` after each."""
     rows, checks = [], []
+    report = dict(machine=machine_info(), threads=args.threads, repeat=args.repeat,
+                  warmup=args.warmup, calib_images=args.calib_images, rows=rows,
+                  targets=checks)
     cases = [(s, 'backbone') for s in args.shapes]
     if args.upernet:
         cases.append(('512x512', 'upernet'))
@@ -206,7 +216,9 @@ def measure_all(args, tmp):
             for t in targets(res, args.runtimes):
                 checks.append(dict(shape=shape_text, **t, met=t['ratio'] >= t['target']))
         print_table(rows, kind, shape_text, args.runtimes)
-    return rows, checks
+        report['window_softmax'] = window_softmax_choices()
+        save(report)
+    return report
 
 
 def print_table(rows, kind, shape, runtimes):

@@ -12,6 +12,7 @@ import torch
 import mmslab
 from conftest import randomize_weights
 from mmslab.deploy import export_onnx
+from mmslab.deploy.onnx_export import make_exportable
 from test_swin_backbones import PRESETS, build_preset
 from test_pvt_backbones import TINY as PVT_TINY
 
@@ -44,3 +45,18 @@ def test_fused_onnx_backbone_matches_unfused_model(name, shape, tmp_path):
     assert [o.shape for o in outs] == [r.shape for r in ref]
     for r, o in zip(ref, outs):
         assert np.abs(o - r).max() / np.abs(r).max() <= 1e-4
+
+
+@pytest.mark.parametrize('size,out', [((16, 16), 3), ((16, 16), 6), ((25, 42), (6, 4)),
+                                      ((7, 9), (None, 2))])
+def test_adaptive_pooling_exports_for_any_bins(size, out, tmp_path):
+    """UperNet's pyramid pooling at 512x512 asks for 3x3 / 6x6 bins of a 16x16 map, which
+    PyTorch's exporter refuses; the exported form must give PyTorch's bins."""
+    model = make_exportable(torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(out))).eval()
+    x = torch.randn(2, 4, *size)
+    ref = torch.nn.functional.adaptive_avg_pool2d(x, out).numpy()
+    path = str(tmp_path / 'pool.onnx')
+    torch.onnx.export(model, (x, ), path, input_names=['x'], dynamo=False, opset_version=18)
+    y = ort.InferenceSession(path, providers=['CPUExecutionProvider']).run(None, {'x': x.numpy()})
+    assert y[0].shape == ref.shape
+    assert np.abs(y[0] - ref).max() <= 1e-5

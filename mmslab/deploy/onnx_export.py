@@ -22,6 +22,48 @@ from torch import Tensor
 PARTS = ('backbone', 'features', 'model')
 
 
+def pooling_matrix(size: int, out: int) -> Tensor:
+    """``[out, size]``: row ``i`` averages input cells ``floor(i*size/out)`` to
+    ``ceil((i+1)*size/out) - 1``, the bins of PyTorch's adaptive average pooling."""
+    m = torch.zeros(out, size)
+    for i in range(out):
+        start, end = (i * size) // out, -(-(i + 1) * size // out)
+        m[i, start:end] = 1.0 / (end - start)
+    return m
+
+
+class ExportableAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
+    """``nn.AdaptiveAvgPool2d`` that exports for any output size.
+
+    ONNX has no adaptive pooling; PyTorch's exporter handles only output sizes that divide
+    the input (UperNet's pyramid pooling asks for 3x3 and 6x6 bins of a 16x16 map at
+    512x512). For a static input size the pooling is a fixed linear map on each axis, so the
+    export computes ``P_h @ x @ P_w^T`` with constant bin matrices. Eager calls are unchanged.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()):
+            return super().forward(x)
+        h, w = int(x.shape[-2]), int(x.shape[-1])
+        oh, ow = self.output_size if isinstance(self.output_size, (tuple, list)) else \
+            (self.output_size, self.output_size)
+        oh, ow = oh or h, ow or w  # None keeps that size
+        ph = pooling_matrix(h, oh).to(x)
+        pw = pooling_matrix(w, ow).to(x)
+        return ph @ x @ pw.t()  # [oh, h] @ [B, C, h, w] @ [w, ow]
+
+
+def make_exportable(model: nn.Module) -> nn.Module:
+    """Swap layers the ONNX exporter cannot handle for exportable equivalents (in place;
+    eager outputs unchanged)."""
+    for name, child in list(model.named_children()):
+        if type(child) is nn.AdaptiveAvgPool2d:
+            setattr(model, name, ExportableAdaptiveAvgPool2d(child.output_size))
+        else:
+            make_exportable(child)
+    return model
+
+
 class ExportWrapper(nn.Module):
     """``forward(image) -> tuple of tensors`` for one part of an mmdet / mmseg model."""
 
@@ -66,7 +108,7 @@ def export_onnx(model: nn.Module, part: str, shape: Tuple[int, int], path: str,
                 dynamic: bool = False, opset: int = 18) -> List[str]:
     """Write ``part`` of the (already fused, eval-mode) ``model`` to ``path``; returns the
     output names. ``dynamic``: height and width are free (multiples of 32)."""
-    wrapper = ExportWrapper(model, part).eval()
+    wrapper = ExportWrapper(make_exportable(model), part).eval()
     dummy = torch.randn(1, 3, *shape)
     with torch.no_grad():
         n_out = len(wrapper(dummy))
