@@ -14,6 +14,7 @@ Then all (model, runtime) pairs run interleaved, batch 1. ``--upernet`` adds who
 ``deploy_speed.png``; the JSON records the CPU, ISA level and BLAS.
 """
 import argparse
+import gc
 import json
 import os
 import os.path as osp
@@ -185,33 +186,11 @@ def measure_all(args, tmp, save) -> dict:
     if args.upernet:
         cases.append(('512x512', 'upernet'))
     for shape_text, kind in cases:
-        shape = parse_shape(shape_text)
-        fns = {}
-        if kind == 'backbone':
-            builds = {name: (build_backbone(name), 'backbone') for name in args.models}
-        else:
-            builds = {
-                'UperNet Swin-T (LN)': (build_upernet(
-                    'configs/upernet_swin_t_160k_ade20k.py', False), 'model'),
-                'UperNet RePa-Swin-T fused': (build_upernet(
-                    'configs/upernet_repa_swin_t_160k_ade20k.py', True), 'model')}
-        print(f'preparing {kind} {shape_text}: export, OpenVINO conversion, INT8 calibration')
-        for name, (model, part) in builds.items():
-            forms = deploy_forms(model, part, shape, args.runtimes,
-                                 osp.join(tmp, f'{kind}_{shape_text}_{len(fns)}'), args.threads,
-                                 args.calib_images)
-            for rt, fn in forms.items():
-                fns[(name, rt)] = fn
-        bar = ProgressBar(len(fns) * args.repeat)
-        keyed = {f'{n} | {r}': f for (n, r), f in fns.items()}
-        times = measure_interleaved(keyed, args.repeat, args.warmup, bar.update)
-        print()
-        res = {}
-        for key, ms in times.items():
-            name, rt = key.split(' | ')
-            stats = summarize(ms)
-            res[(name, rt)] = stats['median_ms']
-            rows.append(dict(kind=kind, shape=shape_text, model=name, runtime=rt, **stats))
+        # One case at a time: its models, sessions and compiled runtimes are freed before
+        # the next case is prepared (800x1344 sessions and UperNet calibration together
+        # exceeded 24 GB).
+        res = measure_case(args, tmp, shape_text, kind, rows)
+        gc.collect()
         if kind == 'backbone':
             for t in targets(res, args.runtimes):
                 checks.append(dict(shape=shape_text, **t, met=t['ratio'] >= t['target']))
@@ -219,6 +198,38 @@ def measure_all(args, tmp, save) -> dict:
         report['window_softmax'] = window_softmax_choices()
         save(report)
     return report
+
+
+def measure_case(args, tmp, shape_text: str, kind: str, rows: list) -> dict:
+    """Prepare and time one (shape, kind) case; appends its rows, returns {(model, rt): ms}."""
+    shape = parse_shape(shape_text)
+    fns = {}
+    if kind == 'backbone':
+        builds = {name: (build_backbone(name), 'backbone') for name in args.models}
+    else:
+        builds = {
+            'UperNet Swin-T (LN)': (build_upernet(
+                'configs/upernet_swin_t_160k_ade20k.py', False), 'model'),
+            'UperNet RePa-Swin-T fused': (build_upernet(
+                'configs/upernet_repa_swin_t_160k_ade20k.py', True), 'model')}
+    print(f'preparing {kind} {shape_text}: export, OpenVINO conversion, INT8 calibration')
+    for name, (model, part) in builds.items():
+        forms = deploy_forms(model, part, shape, args.runtimes,
+                             osp.join(tmp, f'{kind}_{shape_text}_{len(fns)}'), args.threads,
+                             args.calib_images)
+        for rt, fn in forms.items():
+            fns[(name, rt)] = fn
+    bar = ProgressBar(len(fns) * args.repeat)
+    keyed = {f'{n} | {r}': f for (n, r), f in fns.items()}
+    times = measure_interleaved(keyed, args.repeat, args.warmup, bar.update)
+    print()
+    res = {}
+    for key, ms in times.items():
+        name, rt = key.split(' | ')
+        stats = summarize(ms)
+        res[(name, rt)] = stats['median_ms']
+        rows.append(dict(kind=kind, shape=shape_text, model=name, runtime=rt, **stats))
+    return res
 
 
 def print_table(rows, kind, shape, runtimes):
