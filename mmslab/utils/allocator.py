@@ -4,7 +4,8 @@ PyTorch's CPU tensors come straight from ``malloc``. glibc hands large freed blo
 the kernel (blocks above the mmap threshold, and heap tops above the trim threshold), so each
 forward pass page-faults its activation memory in again. Measured on a 2-core AMD EPYC VM,
 fused SLAB-Swin-T at 512x512 in eager PyTorch: about 600 ms per image with glibc's defaults,
-about 470 ms with freed memory kept (mmdet's Swin-T, with fewer temporaries, gained less).
+about 480 ms with freed memory kept (mmdet's Swin-T, with fewer temporaries, moved within the
+noise).
 The effect depends on the kernel and the VM, so benchmark tools apply it to every model alike
 and record it in their JSON. onnxruntime and OpenVINO use their own memory arenas.
 
