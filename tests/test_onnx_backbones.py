@@ -13,10 +13,12 @@ import mmslab
 from conftest import randomize_weights
 from mmslab.deploy import export_onnx
 from mmslab.deploy.onnx_export import make_exportable
+from mmslab.deploy.runtimes import weight_layers
 from test_swin_backbones import PRESETS, build_preset
 from test_pvt_backbones import TINY as PVT_TINY
 
 ort = pytest.importorskip('onnxruntime')
+onnx = pytest.importorskip('onnx')
 
 
 def build_pvt(type_):
@@ -45,6 +47,15 @@ def test_fused_onnx_backbone_matches_unfused_model(name, shape, tmp_path):
     assert [o.shape for o in outs] == [r.shape for r in ref]
     for r, o in zip(ref, outs):
         assert np.abs(o - r).max() / np.abs(r).max() <= 1e-4
+    # Every layer weight is an initializer: INT8 quantizers take only those as weights (a
+    # Constant-node weight left patch merging in fp32).
+    graph = onnx.load(path).graph
+    constants = {o for n in graph.node if n.op_type == 'Constant' for o in n.output}
+    layers = [n for n in graph.node if n.op_type in ('MatMul', 'Gemm', 'Conv')]
+    assert not [n.name for n in layers if n.input[1] in constants]
+    assert len(weight_layers(path)) == sum(
+        isinstance(m, torch.nn.Linear) or (isinstance(m, torch.nn.Conv2d) and m.groups == 1)
+        for m in model.modules())
 
 
 @pytest.mark.parametrize('size,out', [((16, 16), 3), ((16, 16), 6), ((25, 42), (6, 4)),

@@ -121,7 +121,56 @@ def export_onnx(model: nn.Module, part: str, shape: Tuple[int, int], path: str,
         torch.onnx.export(wrapper, (dummy, ), path, input_names=['image'], output_names=names,
                           dynamic_axes=axes, opset_version=opset, dynamo=False,
                           do_constant_folding=True)
+    fold_weight_paths(path)
     return names
+
+
+#: Layout operators a weight may pass through on its way to a layer.
+_WEIGHT_PATH_OPS = ('Transpose', 'Reshape', 'Cast', 'Identity', 'Tile', 'Squeeze', 'Unsqueeze',
+                    'Flatten', 'Constant')
+
+
+def fold_weight_paths(path: str) -> int:
+    """Replace layout operators whose inputs are all constants by initializers, in place;
+    returns how many were folded.
+
+    Weights the model reshapes or tiles in ``forward`` (PVT's 1x1-conv FFN computed as
+    Linears, SLA's head-shared depth-wise kernel, permuted patch-merging weights) reach
+    their MatMul / Conv through such operators, which the exporter's folding leaves. INT8
+    quantizers take only initializers as weights, so those layers stayed fp32.
+    """
+    import onnx
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+    model = onnx.load(path)
+    graph = model.graph
+    values = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    kept, folded = [], 0
+    for node in graph.node:
+        inputs = [i for i in node.input if i]
+        if node.op_type in _WEIGHT_PATH_OPS and all(i in values for i in inputs):
+            single = onnx.helper.make_model(
+                onnx.helper.make_graph([node], 'fold', [
+                    onnx.helper.make_tensor_value_info(i, onnx.helper.np_dtype_to_tensor_dtype(
+                        values[i].dtype), values[i].shape) for i in inputs],
+                    [onnx.helper.make_empty_tensor_value_info(o) for o in node.output]),
+                opset_imports=model.opset_import)
+            outs = ReferenceEvaluator(single).run(None, {i: values[i] for i in inputs})
+            for name, value in zip(node.output, outs):
+                values[name] = value
+                graph.initializer.append(numpy_helper.from_array(value, name))
+            folded += 1
+        else:
+            kept.append(node)
+    if folded:
+        del graph.node[:]
+        graph.node.extend(kept)
+        used = {i for n in kept for i in n.input} | {o.name for o in graph.output}
+        inits = [init for init in graph.initializer if init.name in used]
+        del graph.initializer[:]
+        graph.initializer.extend(inits)
+        onnx.save(model, path)
+    return folded
 
 
 def torch_outputs(model: nn.Module, part: str, image: Tensor) -> List[np.ndarray]:

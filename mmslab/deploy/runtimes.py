@@ -142,13 +142,20 @@ def quantize_onnxruntime(onnx_path: str, out_path: str,
 
 
 def weight_layers(onnx_path: str) -> List[str]:
-    """Names of the MatMul / Gemm / Conv nodes whose weight is an initializer."""
+    """Names of the MatMul / Gemm / Conv nodes whose weight is an initializer, except
+    depth-wise / grouped convs."""
     import onnx
     graph = onnx.load(onnx_path).graph
     weights = {init.name for init in graph.initializer}
     return [n.name for n in graph.node
-            if n.op_type in WEIGHT_OPS and len(n.input) > 1
-            and n.input[1] in weights]
+            if n.op_type in WEIGHT_OPS and len(n.input) > 1 and n.input[1] in weights
+            and not _is_grouped_conv(n)]
+
+
+def _is_grouped_conv(node) -> bool:
+    # Depth-wise convs (SLA's DWC branch) stay float, as in the measured INT8 accuracy
+    # table: a few MACs per output, where quantize / dequantize would cost as much.
+    return node.op_type == 'Conv' and any(a.name == 'group' and a.i > 1 for a in node.attribute)
 
 
 def quantize_openvino(xml_path: str, out_path: str, calibration: Sequence[np.ndarray]) -> str:
