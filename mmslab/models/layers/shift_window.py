@@ -23,7 +23,8 @@ class ShiftWindowAttention(nn.Module):
     value a zero token would have after ``qkv`` (mmdet pads the normalized tokens with zeros);
     ``proj`` runs after cropping. Kernels with ``masks_padding`` exclude padded tokens instead.
     Pad + roll + partition is a single cached-index gather, and so is its inverse; shift and
-    padding masks are constants cached per input size.
+    padding masks are constants cached per input size. Exported graphs run ``qkv`` on the
+    tokens instead and gather the windows from them plus one appended padded row.
 
     Shape: ``[B, H*W, C]`` with ``hw_shape=(H, W)`` -> ``[B, H*W, C]``.
     """
