@@ -105,7 +105,7 @@ def quantize_onnxruntime(onnx_path: str, out_path: str,
     Only the layers with weights (MatMul / Gemm / Conv whose second input is a stored tensor)
     are quantized: they are where the time goes. Quantizing also the activation x activation
     products (attention scores, SLA's K^T V), the residual additions and the normalizers cost
-    SLAB-Swin-T 0.027 bbox mAP on the demo (0.001 to 0.004 with weight layers only).
+    SLAB-Swin-T 0.027 bbox mAP on the demo (0.001 to 0.006 with weight layers only).
 
     Calibration covers the tensors of those operator types only: onnxruntime's MinMax
     calibrator keeps every calibrated tensor of a run alive, and calibrating all of them ran
