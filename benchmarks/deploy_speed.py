@@ -158,8 +158,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix='mmslab_deploy_')  # exported files: GBs at 800x1344
     try:
-        # The JSON is rewritten after every case: a long run that fails late keeps the rest.
-        report = measure_all(args, tmp, lambda rep: save_report(rep, args.out))
+        report = measure_all(args, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f'\nmachine: {machine_line(report["machine"])}')
@@ -176,8 +175,9 @@ def save_report(report: dict, out_dir: str) -> None:
         json.dump(report, f, indent=2)
 
 
-def measure_all(args, tmp, save) -> dict:
-    """Export, convert, quantize and time every case; ``save(report)`` after each."""
+def measure_all(args, tmp) -> dict:
+    """Export, convert, quantize and time every case. The JSON is rewritten after each: a
+    long run that fails late keeps the cases it finished."""
     rows, checks = [], []
     report = dict(machine=machine_info(), threads=args.threads, repeat=args.repeat,
                   warmup=args.warmup, calib_images=args.calib_images, rows=rows,
@@ -196,7 +196,7 @@ def measure_all(args, tmp, save) -> dict:
                 checks.append(dict(shape=shape_text, **t, met=t['ratio'] >= t['target']))
         print_table(rows, kind, shape_text, args.runtimes)
         report['window_softmax'] = window_softmax_choices()
-        save(report)
+        save_report(report, args.out)
     return report
 
 

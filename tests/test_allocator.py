@@ -25,8 +25,8 @@ print(info['mode'], round(before - rss_mb()))
 
 
 def released_mb(mode):
-    out = subprocess.run([sys.executable, '-c', PROBE, mode, allocator.__file__], capture_output=True, text=True,
-                         check=True).stdout.split()
+    out = subprocess.run([sys.executable, '-c', PROBE, mode, allocator.__file__],
+                         capture_output=True, text=True, check=True).stdout.split()
     return out[0], int(out[1])
 
 

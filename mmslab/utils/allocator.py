@@ -15,15 +15,13 @@ in the environment, or a caching allocator (jemalloc, tcmalloc) via ``LD_PRELOAD
 import ctypes
 import ctypes.util
 
-# mallopt() parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-# glibc refuses mmap thresholds above half its 64 MiB heap size (64-bit).
-# mallopt() takes an int: "never trim" is the largest one.
-KEEP_SETTINGS = {'M_MMAP_THRESHOLD': 32 << 20, 'M_TRIM_THRESHOLD': 2**31 - 1,
-                 'M_TOP_PAD': 64 << 20}
+# (name, mallopt() parameter code from malloc.h, value). glibc refuses mmap thresholds above
+# half its 64 MiB heap size (64-bit); mallopt() takes an int: "never trim" is the largest one.
+KEEP_SETTINGS = (('M_MMAP_THRESHOLD', -3, 32 << 20), ('M_TRIM_THRESHOLD', -1, 2**31 - 1),
+                 ('M_TOP_PAD', -2, 64 << 20))
 MODES = ('keep', 'default')
 
-_state = {'allocator': 'unknown', 'mode': 'default'}
+_mode = 'default'
 
 
 def _glibc():
@@ -40,27 +38,23 @@ def set_allocator_mode(mode: str) -> dict:
     """``'keep'``: keep freed memory in the process (glibc ``mallopt``); ``'default'``: leave
     the allocator as it is. Returns :func:`allocator_info`. Other C libraries: a warning-free
     no-op, recorded as such."""
+    global _mode
     if mode not in MODES:
         raise ValueError(f'unknown allocator mode {mode!r}; valid: {", ".join(MODES)}')
-    libc, version = _glibc()
-    _state['allocator'] = f'glibc {version}' if libc else 'not glibc'
+    libc, _ = _glibc()
     if mode == 'keep' and libc is not None:
-        codes = {'M_MMAP_THRESHOLD': _M_MMAP_THRESHOLD, 'M_TRIM_THRESHOLD': _M_TRIM_THRESHOLD,
-                 'M_TOP_PAD': _M_TOP_PAD}
         libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-        for name, value in KEEP_SETTINGS.items():
-            if not libc.mallopt(codes[name], value):
+        for name, code, value in KEEP_SETTINGS:
+            if not libc.mallopt(code, value):
                 raise RuntimeError(f'glibc refused mallopt({name}, {value})')
-        _state['mode'] = 'keep'
+        _mode = 'keep'
     return allocator_info()
 
 
 def allocator_info() -> dict:
     """What benchmark JSONs record: ``{'allocator': 'glibc 2.36', 'mode': 'keep'}``."""
-    if _state['allocator'] == 'unknown':
-        libc, version = _glibc()
-        _state['allocator'] = f'glibc {version}' if libc else 'not glibc'
-    return dict(_state)
+    _, version = _glibc()
+    return dict(allocator=f'glibc {version}' if version else 'not glibc', mode=_mode)
 
 
 def add_allocator_argument(parser) -> None:
