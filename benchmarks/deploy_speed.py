@@ -1,17 +1,30 @@
-"""Backbone latency in every runtime: PyTorch eager, onnxruntime fp32 / INT8, OpenVINO fp32 /
-INT8, for mmdet's LayerNorm Swin-T and the fused mmslab T presets, interleaved in one run.
+"""Latency in every runtime: PyTorch eager, onnxruntime fp32 / INT8, OpenVINO fp32 / INT8,
+interleaved in one run, for backbones and for whole models.
 
     python benchmarks/deploy_speed.py [--shapes 512x512 800x1344] [--repeat 3] [--threads 2]
-        [--models ...] [--runtimes ...] [--upernet] --out work_dirs/deploy_speed
+        [--models ...] [--runtimes ...] [--maskrcnn [800x1216]] [--upernet [512x2048]]
+        [--export static|dynamic|both] --out work_dirs/deploy_speed
 
-Every model is exported once per shape (static shapes, ``torch.onnx.export``, opset 18),
-converted to OpenVINO, and quantized for each runtime on its own path (onnxruntime static
-QDQ per-channel; NNCF for OpenVINO) with ``--calib-images`` random images (latency does not
-depend on the calibration data; accuracy is measured by tools/test.py --backend ... --int8).
-Then all (model, runtime) pairs run interleaved, batch 1. ``--upernet`` adds whole-model rows
-(logits) of UperNet with fused RePa-Swin-T against UperNet with the LayerNorm Swin-T, at
-512x512. Prints a table and the project's targets, writes ``deploy_speed.json`` and
-``deploy_speed.png``; the JSON records the CPU, ISA level and BLAS.
+Kinds of case:
+
+* backbones (``--shapes``): mmdet's LayerNorm ``SwinTransformer``, the LayerNorm Swin-T
+  built by mmslab's own code (the control: what the methods buy beyond mmslab's window
+  handling) and the fused mmslab T presets;
+* ``--maskrcnn SHAPE``: whole Mask R-CNN end to end (``dets``, ``labels``, ``masks`` after
+  NMS), mmdet's own ``mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py`` against mmslab's LayerNorm
+  control and fused PRepBN / SLAB / RePa-Swin-T configs. Random weights, so every model is
+  given the same work after the RPN: ``score_thr`` 0 makes each keep ``max_per_img`` (100)
+  detections for the mask head;
+* ``--upernet SHAPE``: whole UperNet (logits) with the LayerNorm Swin-T against fused
+  RePa-Swin-T.
+
+Exports are dynamic (free H, W: what ``tools/export_onnx.py`` writes by default) unless
+``--export static``; ``both`` adds each runtime row of a static export (suffix ``static``)
+to compare the two in the same run. INT8 is calibrated for each runtime on its own path
+(onnxruntime static QDQ per-channel; NNCF for OpenVINO) with ``--calib-images`` random
+images (latency does not depend on the calibration data; accuracy is measured by
+tools/test.py --backend ... --int8). Batch 1. Prints a table and the targets, writes
+``deploy_speed.json`` and ``deploy_speed.png``; the JSON records the CPU, ISA and BLAS.
 """
 import argparse
 import gc
@@ -35,9 +48,17 @@ from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
 from mmslab.utils.machine import machine_info, machine_line
 from mmslab.utils.plotting import grouped_bars, saved_figure
 
-MODELS = ('mmdet Swin-T', 'PRepBN-Swin-T', 'SLAB-Swin-T', 'RePa-Swin-T')
+MODELS = ('mmdet Swin-T', 'LN Swin-T', 'PRepBN-Swin-T', 'SLAB-Swin-T', 'RePa-Swin-T')
 RUNTIMES = ('eager', 'ort fp32', 'ort int8', 'ov fp32', 'ov int8')
 BASELINE = 'mmdet Swin-T'
+CONTROL = 'LN Swin-T'  # mmslab's own LayerNorm Swin-T
+MMDET_MASK_RCNN = 'swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'  # in mmdet's package
+MASK_RCNN_CONFIGS = {
+    'mmdet Swin-T': MMDET_MASK_RCNN,
+    'LN Swin-T': 'configs/mask_rcnn_swin_t_1x.py',
+    'PRepBN-Swin-T': 'configs/mask_rcnn_prepbn_swin_t_1x.py',
+    'SLAB-Swin-T': 'configs/mask_rcnn_slab_swin_t_1x.py',
+    'RePa-Swin-T': 'configs/mask_rcnn_repa_swin_t_1x.py'}
 
 
 def build_backbone(name: str) -> torch.nn.Module:
@@ -51,8 +72,9 @@ def build_backbone(name: str) -> torch.nn.Module:
         model.init_weights()
         model.eval()  # mmdet's Swin.train() returns None: no chaining
         return model
-    model = {'PRepBN-Swin-T': PRepBNSwin, 'SLAB-Swin-T': SLABSwin,
-             'RePa-Swin-T': RePaSwin}[name]()
+    from mmslab.models import ReparamSwinTransformer
+    model = {'LN Swin-T': ReparamSwinTransformer, 'PRepBN-Swin-T': PRepBNSwin,
+             'SLAB-Swin-T': SLABSwin, 'RePa-Swin-T': RePaSwin}[name]()
     model.init_weights()
     with torch.no_grad():  # alpha 0 + BN statistics of real activations: a normalizing model
         for pname, p in model.named_parameters():
@@ -62,10 +84,33 @@ def build_backbone(name: str) -> torch.nn.Module:
     return mmslab.reparameterize(model.eval())
 
 
-def build_upernet(config: str, fuse: bool) -> torch.nn.Module:
+def mmdet_config(relative: str) -> str:
+    """A config shipped inside the mmdet package (``mmdet/.mim/configs``)."""
+    import mmdet
+    path = osp.join(osp.dirname(mmdet.__file__), '.mim', 'configs', relative)
+    if not osp.isfile(path):
+        raise FileNotFoundError(f'{path}: mmdet ships no such config')
+    return path
+
+
+def build_detector(name: str) -> torch.nn.Module:
+    """A whole Mask R-CNN with random, normalizing weights, fused when it is mmslab's, that
+    keeps ``max_per_img`` detections (see the module docstring)."""
+    config = MASK_RCNN_CONFIGS[name]
+    if config == MMDET_MASK_RCNN:
+        config = mmdet_config(config)
+    model = build_upernet(config, fuse=name != BASELINE,
+                          cfg_options={'model.backbone.init_cfg': None,
+                                       'model.test_cfg.rcnn.score_thr': 0.0})
+    return model
+
+
+def build_upernet(config: str, fuse: bool, cfg_options=None) -> torch.nn.Module:
     from mmengine.logging import MMLogger
+    from mmslab.models.layers.bn_recalibration import recalibrate_bn
     from mmslab.utils.launch import build_model_from_config
-    _, model = build_model_from_config(config)
+    torch.manual_seed(0)
+    _, model = build_model_from_config(config, cfg_options)
     logger = MMLogger.get_current_instance()
     level = logger.level
     logger.setLevel('WARNING')  # init_weights logs every parameter at INFO
@@ -73,26 +118,37 @@ def build_upernet(config: str, fuse: bool) -> torch.nn.Module:
         model.init_weights()
     finally:
         logger.setLevel(level)
+    with torch.no_grad():  # alpha 0 + BN statistics of real activations: a normalizing model
+        for pname, p in model.backbone.named_parameters():
+            if pname.endswith('.alpha'):
+                p.zero_()
+    if fuse:
+        recalibrate_bn(model.backbone, [torch.randn(1, 3, 224, 224) for _ in range(2)], 2,
+                       logger='silent')
     model.eval()
     if fuse:
         mmslab.reparameterize(model)
     return model
 
 
-def deploy_forms(model, part, shape, runtimes, workdir, threads, calib_images):
+def deploy_forms(model, part, shape, runtimes, workdir, threads, calib_images,
+                 dynamic: bool = True):
     """{runtime: callable(image)} for one model and input shape."""
     os.makedirs(workdir, exist_ok=True)
     onnx_path = osp.join(workdir, 'model.onnx')
     needs_onnx = any(r != 'eager' for r in runtimes)
     if needs_onnx:
-        export_onnx(model, part, shape, onnx_path)
+        export_onnx(model, part, shape, onnx_path, dynamic=dynamic)
     calib = [np.random.RandomState(i).randn(1, 3, *shape).astype(np.float32)
              for i in range(calib_images)]
     forms = {}
     x = torch.randn(1, 3, *shape)
     if 'eager' in runtimes:
-        module = model
-        forms['eager'] = lambda: module(x)
+        if part == 'model' and not hasattr(model, 'decode_head'):
+            forms['eager'] = eager_detector(model, x)
+        else:
+            module = model._forward if part == 'model' else model
+            forms['eager'] = lambda: module(x)
     image = x.numpy()
     if 'ort fp32' in runtimes:
         m = OnnxRuntimeModel(onnx_path, threads)
@@ -113,43 +169,73 @@ def deploy_forms(model, part, shape, runtimes, workdir, threads, calib_images):
     return forms
 
 
-def targets(res: dict, runtimes) -> list:
-    """The issue's targets, evaluated on one shape's medians {(model, runtime): ms}."""
+def eager_detector(model, x):
+    """mmdet's own ``predict`` as a user runs it (mmcv's NMS and RoIAlign, masks pasted into
+    the input-sized image), on one preprocessed image."""
+    from mmdet.structures import DetDataSample
+    h, w = x.shape[-2:]
+    sample = DetDataSample(metainfo=dict(img_shape=(h, w), ori_shape=(h, w), pad_shape=(h, w),
+                                         batch_input_shape=(h, w), scale_factor=(1.0, 1.0)))
+
+    def run():
+        with torch.no_grad():
+            return model.predict(x, [sample], rescale=False)
+
+    return run
+
+
+def targets(res: dict, runtimes, kind: str) -> list:
+    """The issues' targets on one case's medians {(model, runtime): ms}, and the two ratios
+    of every fused model (vs mmdet's Swin-T: what a user gets; vs mmslab's LayerNorm
+    control: what the method buys), reported with target None."""
     out = []
+    repa = 'RePa-Swin-T'
 
-    def ms(model, runtime):
-        return res.get((model, runtime))
+    def ratio(a, b):
+        return res[a] / res[b] if a in res and b in res else None
 
-    for rt in ('ort int8', 'ov int8'):
-        a, b = ms(BASELINE, rt), ms('RePa-Swin-T', rt)
-        if a and b:
-            out.append(dict(what=f'mmdet Swin-T / RePa-Swin-T fused, {rt}', ratio=a / b,
-                            target=1.4))
-    best = [(ms('RePa-Swin-T', rt), rt) for rt in runtimes if ms('RePa-Swin-T', rt)]
-    if best and ms(BASELINE, 'eager'):
+    def add(what, value, target):
+        if value is not None:
+            out.append(dict(what=what, ratio=value, target=target))
+
+    int8 = [rt for rt in ('ort int8', 'ov int8') if rt in runtimes]
+    for rt in int8:
+        add(f'mmdet Swin-T / RePa-Swin-T, {rt}', ratio((BASELINE, rt), (repa, rt)),
+            1.3 if kind == 'maskrcnn' else 1.4)
+        add(f'LN control / RePa-Swin-T, {rt}', ratio((CONTROL, rt), (repa, rt)), 1.4)
+    best = [(res[(repa, rt)], rt) for rt in int8 if (repa, rt) in res]
+    if best and (BASELINE, 'eager') in res:
         t, rt = min(best)
-        out.append(dict(what=f'mmdet Swin-T eager / RePa-Swin-T best ({rt})',
-                        ratio=ms(BASELINE, 'eager') / t, target=3.0))
+        add(f'mmdet Swin-T eager / RePa-Swin-T best INT8 ({rt})', res[(BASELINE, 'eager')] / t,
+            3.0)
     for model in ('PRepBN-Swin-T', 'SLAB-Swin-T'):
         for rt in runtimes:
-            a, b = ms(BASELINE, rt), ms(model, rt)
-            if a and b:
-                out.append(dict(what=f'mmdet Swin-T / {model} fused, {rt}', ratio=a / b,
-                                target=1.0))
+            add(f'mmdet Swin-T / {model}, {rt}', ratio((BASELINE, rt), (model, rt)), 1.0)
+            add(f'LN control / {model}, {rt}', ratio((CONTROL, rt), (model, rt)), 1.0)
+    # dynamic graphs against static graphs of the same size (--export both)
+    for (model, rt), ms in res.items():
+        if rt.endswith(' static') and (model, rt[:-len(' static')]) in res:
+            add(f'{model} dynamic / static, {rt[:-len(" static")]}',
+                res[(model, rt[:-len(' static')])] / ms, None)
     return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--shapes', nargs='+', default=['512x512', '800x1344'])
-    p.add_argument('--models', nargs='+', default=list(MODELS), choices=MODELS)
+    p.add_argument('--models', nargs='+', default=list(MODELS), choices=MODELS,
+                   help='backbones / Mask R-CNN backbones to compare')
     p.add_argument('--runtimes', nargs='+', default=list(RUNTIMES), choices=RUNTIMES)
     p.add_argument('--repeat', type=int, default=3)
     p.add_argument('--warmup', type=int, default=1)
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--calib-images', type=int, default=4)
-    p.add_argument('--upernet', action='store_true',
-                   help='add whole-model UperNet rows (512x512)')
+    p.add_argument('--maskrcnn', nargs='?', const='800x1216', metavar='HxW',
+                   help='add whole Mask R-CNN rows (default size 800x1216)')
+    p.add_argument('--upernet', nargs='?', const='512x2048', metavar='HxW',
+                   help='add whole UperNet rows (default size 512x2048)')
+    p.add_argument('--export', choices=('dynamic', 'static', 'both'), default='dynamic',
+                   help='exported graphs with free H, W (default), one static size, or both')
     add_allocator_argument(p)
     p.add_argument('--out', default='work_dirs/deploy_speed')
     args = p.parse_args(argv)
@@ -163,8 +249,9 @@ def main(argv=None):
         shutil.rmtree(tmp, ignore_errors=True)
     print(f'\nmachine: {machine_line(report["machine"])}')
     for c in report['targets']:
-        print(f"  {c['shape']:9s} {c['what']:52s} {c['ratio']:.2f}x (target >= "
-              f"{c['target']:.1f}: {'met' if c['met'] else 'NOT met'})")
+        verdict = '' if c['target'] is None else \
+            f" (target >= {c['target']:.1f}: {'met' if c['met'] else 'NOT met'})"
+        print(f"  {c['kind']:8s} {c['shape']:9s} {c['what']:58s} {c['ratio']:.2f}x{verdict}")
     plot(report, osp.join(args.out, 'deploy_speed.png'))
     print(f"wrote {osp.join(args.out, 'deploy_speed.json')} and deploy_speed.png")
     return report
@@ -183,18 +270,20 @@ def measure_all(args, tmp) -> dict:
                   warmup=args.warmup, calib_images=args.calib_images, rows=rows,
                   targets=checks)
     cases = [(s, 'backbone') for s in args.shapes]
+    if args.maskrcnn:
+        cases.append((args.maskrcnn, 'maskrcnn'))
     if args.upernet:
-        cases.append(('512x512', 'upernet'))
+        cases.append((args.upernet, 'upernet'))
     for shape_text, kind in cases:
         # One case at a time: its models, sessions and compiled runtimes are freed before
         # the next case is prepared (800x1344 sessions and UperNet calibration together
         # exceeded 24 GB).
         res = measure_case(args, tmp, shape_text, kind, rows)
         gc.collect()
-        if kind == 'backbone':
-            for t in targets(res, args.runtimes):
-                checks.append(dict(shape=shape_text, **t, met=t['ratio'] >= t['target']))
-        print_table(rows, kind, shape_text, args.runtimes)
+        for t in targets(res, args.runtimes, kind):
+            met = None if t['target'] is None else t['ratio'] >= t['target']
+            checks.append(dict(kind=kind, shape=shape_text, **t, met=met))
+        print_table(rows, kind, shape_text, sorted({r for _, r in res}, key=runtime_order))
         report['window_softmax'] = window_softmax_choices()
         save_report(report, args.out)
     return report
@@ -206,6 +295,8 @@ def measure_case(args, tmp, shape_text: str, kind: str, rows: list) -> dict:
     fns = {}
     if kind == 'backbone':
         builds = {name: (build_backbone(name), 'backbone') for name in args.models}
+    elif kind == 'maskrcnn':
+        builds = {name: (build_detector(name), 'model') for name in args.models}
     else:
         builds = {
             'UperNet Swin-T (LN)': (build_upernet(
@@ -213,12 +304,18 @@ def measure_case(args, tmp, shape_text: str, kind: str, rows: list) -> dict:
             'UperNet RePa-Swin-T fused': (build_upernet(
                 'configs/upernet_repa_swin_t_160k_ade20k.py', True), 'model')}
     print(f'preparing {kind} {shape_text}: export, OpenVINO conversion, INT8 calibration')
+    modes = dict(dynamic=[True], static=[False], both=[True, False])[args.export]
+    report_mode = {True: '', False: ' static'} if args.export == 'both' else {True: '',
+                                                                             False: ''}
     for name, (model, part) in builds.items():
-        forms = deploy_forms(model, part, shape, args.runtimes,
-                             osp.join(tmp, f'{kind}_{shape_text}_{len(fns)}'), args.threads,
-                             args.calib_images)
-        for rt, fn in forms.items():
-            fns[(name, rt)] = fn
+        for dynamic in modes:
+            runtimes = args.runtimes if dynamic == modes[0] else \
+                [r for r in args.runtimes if r != 'eager']
+            forms = deploy_forms(model, part, shape, runtimes,
+                                 osp.join(tmp, f'{kind}_{shape_text}_{len(fns)}'),
+                                 args.threads, args.calib_images, dynamic)
+            for rt, fn in forms.items():
+                fns[(name, rt if rt == 'eager' else rt + report_mode[dynamic])] = fn
     bar = ProgressBar(len(fns) * args.repeat)
     keyed = {f'{n} | {r}': f for (n, r), f in fns.items()}
     times = measure_interleaved(keyed, args.repeat, args.warmup, bar.update)
@@ -232,15 +329,20 @@ def measure_case(args, tmp, shape_text: str, kind: str, rows: list) -> dict:
     return res
 
 
+def runtime_order(rt: str):
+    base = rt.replace(' static', '')
+    return (RUNTIMES.index(base) if base in RUNTIMES else len(RUNTIMES), rt)
+
+
 def print_table(rows, kind, shape, runtimes):
     sel = [r for r in rows if r['kind'] == kind and r['shape'] == shape]
     models = list(dict.fromkeys(r['model'] for r in sel))
     cell = {(r['model'], r['runtime']): r['median_ms'] for r in sel}
     print(f'\n{kind} {shape}: median ms, batch 1')
-    print('  ' + 'model'.ljust(28) + ''.join(rt.rjust(10) for rt in runtimes))
+    print('  ' + 'model'.ljust(28) + ''.join(rt.rjust(16) for rt in runtimes))
     for m in models:
         print('  ' + m.ljust(28) + ''.join(
-            (f'{cell[(m, rt)]:10.1f}' if (m, rt) in cell else '-'.rjust(10)) for rt in runtimes))
+            (f'{cell[(m, rt)]:16.1f}' if (m, rt) in cell else '-'.rjust(16)) for rt in runtimes))
 
 
 def plot(report, path):

@@ -1,79 +1,96 @@
-"""Export the fused model to ONNX, check it in onnxruntime and OpenVINO, quantize it to INT8.
+"""Export the fused model to ONNX and OpenVINO, check it against PyTorch, quantize to INT8.
 
-    python tools/export_onnx.py CONFIG [CHECKPOINT] --out DIR [--shape H W] [--dynamic]
-        [--part backbone|features|model] [--runtime onnxruntime openvino] [--int8]
-        [--calib-images N] [--threads N] [--cfg-options ...]
+    python tools/export_onnx.py CONFIG CHECKPOINT --out DIR
+        [--part model|features|backbone] [--no-dynamic --shape H W] [--seg-argmax]
+        [--runtime onnxruntime openvino] [--int8] [--calib-images N] [--eval-images N]
+        [--threads N] [--cfg-options ...]
+    python tools/export_onnx.py CONFIG --random-weights --out DIR ...   # no checkpoint
 
-Without CHECKPOINT the model has random weights (the config's init_cfg is ignored), made
-realistic for the parity check: RepBN ``alpha`` 0 and BatchNorm statistics estimated on a few
-random images, so activations are normalized as in a trained model (a default-initialized
-RepBN passes its raw input on, activations grow with depth and fp32 comparisons lose their
-meaning). The model is fused with ``mmslab.reparameterize`` and exported with
-``torch.onnx.export`` (opset 18). Written to DIR:
+By default the whole model (``--part model``) is exported with free height and width, so
+one file serves every image the config's test pipeline produces (portrait, landscape,
+ADE20K whole images):
 
-* ``model.onnx`` (and ``model_int8.onnx`` with ``--int8``: onnxruntime static QDQ
-  quantization, per-channel weights, calibrated on ``--calib-images`` images of the config's
-  training set);
-* ``openvino/model.xml`` (and ``openvino/model_int8.xml``: NNCF post-training quantization on
-  the same images);
-* ``export.json``: shapes, parity of every runtime against the fused PyTorch model (relative
-  error, required <= 1e-4 for fp32), the INT8 models' deviation, sizes and the machine.
+* detectors (Mask R-CNN, RetinaNet): input ``image`` = the data preprocessor's output
+  ``[1, 3, H, W]``; outputs ``dets [N, 5]`` (x1, y1, x2, y2 in the input's pixels, score),
+  ``labels [N]`` and, for Mask R-CNN, ``masks [N, 28, 28]`` (RoI mask probabilities; paste
+  them into the image at their boxes), after NMS;
+* segmentors: ``seg_logits`` (the decode head's logits), or ``seg_label [1, H, W]`` with
+  ``--seg-argmax`` (resize and argmax in the graph).
 
-Parts: ``backbone``; ``features`` (detectors: backbone + neck; the heads stay in PyTorch, see
-``mmslab/deploy/onnx_export.py``); ``model`` (segmentors: logits). Swin window layouts are
-constants of the input size, so ``--dynamic`` is refused for Swin-type backbones: export one
-file per input size.
+``--no-dynamic`` traces one static size (``--shape``; inputs are zero-padded to it).
+The model is fused with ``mmslab.reparameterize``. Written to DIR: ``model.onnx``,
+``openvino/model.xml``; with ``--int8`` ``model_int8.onnx`` (onnxruntime static QDQ) and
+``openvino/model_int8.xml`` (NNCF), both calibrated on ``--calib-images`` images of the
+training set through the test pipeline, the data preprocessor and the export's padding;
+``export.json`` (see ``mmslab/deploy/export_info.py``): what was exported from which
+checkpoint (SHA-256), the pre-processing, parity of each fp32 runtime against the fused
+PyTorch model on test images (required; several sizes and both orientations for dynamic
+exports), and the INT8 deviation on ``--eval-images`` test images not used for calibration.
 """
 import argparse
 import json
 import os
 import os.path as osp
+import time
 
+import numpy as np
 import torch
-from mmdet.models.backbones import SwinTransformer as MMDetSwinTransformer
 from mmengine.config import DictAction
 from mmengine.logging import print_log
 from mmengine.utils import ProgressBar
-from mmseg.models.backbones import SwinTransformer as MMSegSwinTransformer
 
 import mmslab
 from mmslab.deploy import (PARTS, RUNTIMES, ExportWrapper, artifact_path, calibration_images,
                            convert_to_openvino, export_onnx, load_runtime_model,
-                           max_relative_error, quantize_onnxruntime, quantize_openvino,
-                           torch_outputs)
+                           quantize_onnxruntime, quantize_openvino, torch_outputs)
+from mmslab.deploy.compare import FP32_TOLERANCE, compare_outputs, within_fp32_tolerance
+from mmslab.deploy.export_info import (dataset_meta, deploy_pipeline, file_sha256,
+                                       model_config_sha256, runtime_versions, task_of)
 from mmslab.deploy.onnx_export import onnx_size_mb
-from mmslab.models import ReparamSwinTransformer
+from mmslab.deploy.runtimes import pad_to_shape, preprocessed_images
 from mmslab.utils.launch import build_model_from_config
 from mmslab.utils.machine import machine_info
-
-#: Backbones whose (shifted) window layout is a constant of the input size.
-SWIN_BACKBONES = (ReparamSwinTransformer, MMDetSwinTransformer, MMSegSwinTransformer)
-
-PARITY_TOL = 1e-4
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('config')
-    p.add_argument('checkpoint', nargs='?', help='weights (default: random, see above)')
+    p.add_argument('checkpoint', nargs='?', help='the weights to export')
+    p.add_argument('--random-weights', action='store_true',
+                   help='export without a checkpoint (random, normalizing weights: for '
+                   'timing and tests only)')
     p.add_argument('--out', required=True, help='output directory')
+    p.add_argument('--part', choices=PARTS, default='model',
+                   help='model (default: the whole detector / segmentor), features '
+                   '(detector backbone + neck), backbone')
+    p.add_argument('--dynamic', action=argparse.BooleanOptionalAction, default=True,
+                   help='free height and width (default); --no-dynamic: one static size')
     p.add_argument('--shape', nargs=2, type=int, metavar=('H', 'W'),
-                   help='input size (default: 800 1344 for detectors, 512 512 for segmentors)')
-    p.add_argument('--dynamic', action='store_true', help='free height and width')
-    p.add_argument('--part', choices=PARTS,
-                   help='default: features (detectors), model (segmentors)')
+                   help='the traced input size (the static size with --no-dynamic; default '
+                   '800 1344 for detectors, 512 512 for segmentors)')
+    p.add_argument('--seg-argmax', action='store_true',
+                   help='segmentors: resize the logits to the input and argmax in the graph')
     p.add_argument('--runtime', nargs='+', choices=RUNTIMES, default=list(RUNTIMES))
     p.add_argument('--int8', action='store_true', help='also write INT8 models')
     p.add_argument('--calib-images', type=int, default=8,
-                   help='calibration images for INT8 (from the config\'s training set)')
+                   help='INT8 calibration images (from the config\'s training set)')
+    p.add_argument('--eval-images', type=int, default=4,
+                   help='test-set images for the parity check and the INT8 deviation')
     p.add_argument('--threads', type=int, default=None, help='torch/runtime threads')
     p.add_argument('--cfg-options', nargs='+', action=DictAction)
     args = p.parse_args(argv)
+    if args.checkpoint and args.random_weights:
+        p.error('give a CHECKPOINT or --random-weights, not both')
+    if not args.checkpoint and not args.random_weights:
+        p.error('no CHECKPOINT: pass the weights to export, or --random-weights to export a '
+                'randomly initialized model on purpose')
+    if args.checkpoint and not osp.isfile(args.checkpoint):
+        p.error(f'checkpoint {args.checkpoint} not found')
     if args.shape and (args.shape[0] % 32 or args.shape[1] % 32):
         p.error(f'--shape {args.shape[0]} {args.shape[1]}: height and width must be multiples '
                 'of 32 (what the data preprocessors pad to)')
-    if args.calib_images < 1:
-        p.error('--calib-images must be >= 1')
+    if args.calib_images < 1 or args.eval_images < 1:
+        p.error('--calib-images and --eval-images must be >= 1')
     return args
 
 
@@ -103,23 +120,34 @@ def build(args):
                         logger='current')
         model.eval()
     else:
+        print_log('exporting RANDOM weights (--random-weights): the outputs mean nothing',
+                  logger='current', level=30)
         model.init_weights()
         condition_random_weights(model.eval(), shape)
     mmslab.reparameterize(model)
     return cfg, model, shape
 
 
-def check_dynamic_supported(model) -> None:
-    if isinstance(model.backbone, SWIN_BACKBONES):
-        raise SystemExit(
-            'error: --dynamic is not supported for Swin-type backbones: the (shifted) window '
-            'layout is a constant of the input size. Export one model per input size.')
+def test_images(cfg, model, args, shape):
+    """Real inputs for the parity check: test-set images through the test pipeline (and,
+    for a dynamic export, each one transposed too: the other orientation); random images if
+    the config's data is not there."""
+    static = None if args.dynamic else shape
+    try:
+        images = preprocessed_images(cfg, model, args.eval_images, 'test', static)
+        source = 'test set'
+    except (FileNotFoundError, RuntimeError, ValueError) as err:
+        print_log(f'parity on random images ({err})', logger='current', level=30)
+        images = [np.random.default_rng(i).standard_normal((1, 3, *shape)).astype(np.float32)
+                  for i in range(args.eval_images)]
+        source = 'random'
+    if args.dynamic:
+        images += [np.ascontiguousarray(im.transpose(0, 1, 3, 2)) for im in images[:2]]
+    return images, source
 
 
-def parity(model, part, runtime_model, shape) -> float:
-    image = torch.randn(1, 3, *shape)
-    ref = torch_outputs(model, part, image)
-    return max_relative_error(ref, runtime_model(image.numpy()))
+def size_key(image) -> str:
+    return 'x'.join(map(str, image.shape[-2:]))
 
 
 def main(argv=None):
@@ -128,65 +156,79 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     cfg, model, shape = build(args)
-    part = args.part or ('model' if is_segmentor(model) else 'features')
+    part = args.part
     try:
-        ExportWrapper(model, part)  # refuses a part the model does not have
+        wrapper = ExportWrapper(model, part, args.seg_argmax)  # refuses what does not apply
     except ValueError as err:
         raise SystemExit(f'error: {err}')
-    if args.dynamic:
-        check_dynamic_supported(model)
     onnx_path = osp.join(args.out, 'model.onnx')
-    print_log(f'exporting {part} of the fused model at {shape[0]}x{shape[1]} to {onnx_path}',
-              logger='current')
-    names = export_onnx(model, part, shape, onnx_path, dynamic=args.dynamic)
-    shapes = [shape]
-    if args.dynamic:
-        shapes.append((shape[0] + 64, shape[1] - 32 if shape[1] > 64 else shape[1] + 32))
-    report = dict(config=args.config, checkpoint=args.checkpoint, part=part,
-                  shape=list(shape), dynamic=args.dynamic, outputs=names,
-                  machine=machine_info(), tolerance=PARITY_TOL, runtimes={})
+    print_log(f"exporting {part} of the fused model ({'dynamic H, W' if args.dynamic else 'static'}"
+              f', traced at {shape[0]}x{shape[1]}) to {onnx_path}', logger='current')
+    t0 = time.perf_counter()
+    names = export_onnx(model, part, shape, onnx_path, dynamic=args.dynamic,
+                        seg_argmax=args.seg_argmax)
+    export_s = time.perf_counter() - t0
+    task = task_of(model)
+    report = dict(config=args.config, model_config_sha256=model_config_sha256(cfg),
+                  checkpoint=args.checkpoint, random_weights=bool(args.random_weights),
+                  checkpoint_sha256=file_sha256(args.checkpoint) if args.checkpoint else None,
+                  part=part, task=task, outputs=names, shape=list(shape),
+                  dynamic=bool(args.dynamic), seg_argmax=bool(args.seg_argmax),
+                  precisions=['fp32'] + (['int8'] if args.int8 else []),
+                  pipeline=deploy_pipeline(cfg), **dataset_meta(cfg),
+                  versions=runtime_versions(), machine=machine_info(),
+                  tolerance=FP32_TOLERANCE, export_seconds=round(export_s, 1), runtimes={})
+    if not args.dynamic:  # callers pad every image to the static size
+        report['pipeline']['size'] = list(shape)
+    if task == 'instance_segmentation':
+        report['mask_thr_binary'] = float(cfg.model.test_cfg.rcnn.get('mask_thr_binary', 0.5))
     report['onnx_mb'] = onnx_size_mb(onnx_path)
 
     if 'openvino' in args.runtime:
         convert_to_openvino(onnx_path, osp.join(args.out, 'openvino'))
 
-    calib = None
     if args.int8:
         calib = calibration_images(cfg, model, args.calib_images,
                                    None if args.dynamic else shape)
+        report['int8'] = dict(calibration_images=len(calib), calibration_set='train',
+                              quantized='MatMul/Gemm/Conv layers with weights (onnxruntime: '
+                              'per-channel s8 weights, u8 activations; OpenVINO: NNCF '
+                              'transformer preset); depth-wise convs, attention products, '
+                              'softmax, norms, NMS, RoIAlign stay float')
         if 'onnxruntime' in args.runtime:
             quantize_onnxruntime(onnx_path, artifact_path(args.out, 'onnxruntime', True), calib)
         if 'openvino' in args.runtime:
             quantize_openvino(artifact_path(args.out, 'openvino', False),
                               artifact_path(args.out, 'openvino', True), calib)
 
+    images, source = test_images(cfg, model, args, shape)
+    report['parity_images'] = dict(source=source, sizes=[size_key(im) for im in images])
+    refs = [torch_outputs(model, part, torch.from_numpy(im), args.seg_argmax) for im in images]
     bar = ProgressBar(len(args.runtime) * (1 + bool(args.int8)))
     failures = []
     for runtime in args.runtime:
         entry = report['runtimes'].setdefault(runtime, {})
         fp32 = load_runtime_model(args.out, runtime, False, args.threads or 0)
-        entry['fp32_max_relative_error'] = {
-            'x'.join(map(str, s)): parity(model, part, fp32, s) for s in shapes}
-        for s, err in entry['fp32_max_relative_error'].items():
-            if err > PARITY_TOL:
-                failures.append(f'{runtime} fp32 at {s}: relative error {err:.3g}')
+        entry['fp32'] = {}
+        for im, ref in zip(images, refs):
+            record = compare_outputs(names, ref, fp32(im))
+            entry['fp32'][size_key(im)] = record
+            if not within_fp32_tolerance(record):
+                failures.append(f'{runtime} fp32 at {size_key(im)}: {record}')
         bar.update()
         if args.int8:
             int8 = load_runtime_model(args.out, runtime, True, args.threads or 0)
-            image = torch.from_numpy(calib[0]) if calib[0].shape[-2:] == shape else \
-                torch.randn(1, 3, *shape)
-            ref = torch_outputs(model, part, image)
-            entry['int8_max_relative_deviation'] = max_relative_error(ref, int8(image.numpy()))
+            entry['int8_on_test_images'] = {size_key(im): compare_outputs(names, ref, int8(im))
+                                            for im, ref in zip(images, refs)}
             bar.update()
     print()
     with open(osp.join(args.out, 'export.json'), 'w') as f:
         json.dump(report, f, indent=2)
     for runtime, entry in report['runtimes'].items():
-        line = ', '.join(f'{s}: {e:.2g}' for s, e in entry['fp32_max_relative_error'].items())
-        extra = ''
-        if 'int8_max_relative_deviation' in entry:
-            extra = f"; INT8 deviates by {entry['int8_max_relative_deviation']:.3g}"
-        print(f'{runtime:12s} fp32 parity (max relative error) {line}{extra}')
+        for precision in ('fp32', 'int8_on_test_images'):
+            for size, record in entry.get(precision, {}).items():
+                print(f'{runtime:12s} {precision[:4]} {size:>10s} ' +
+                      ', '.join(f'{k} {v:.4g}' for k, v in record.items()))
     print(f"wrote {onnx_path} ({report['onnx_mb']:.1f} MB) and {osp.join(args.out, 'export.json')}")
     if failures:
         raise SystemExit('error: the exported model differs from the fused PyTorch model: ' +

@@ -10,14 +10,15 @@ file of raw detections (mmdet) or a directory of predicted label maps (mmseg). T
 logged as usual and, on the main process, printed as one JSON line starting with
 ``mmslab-test-metrics:``. Multi-process testing: ``tools/dist_test.sh CONFIG CKPT NPROC [args]``.
 
-``--backend onnxruntime|openvino --export-dir DIR``: the part of the fused model that
-``tools/export_onnx.py --out DIR`` exported (DIR/export.json: detector backbone + neck, or a
-segmentor's logits) runs in that runtime (``--int8``: its INT8 artifact), the rest (heads,
-post-processing, the segmentor's resize + argmax) in PyTorch, so the metrics are those of the
-deployed artifact. The exported input shape is static: each preprocessed image is zero-padded
-at the bottom/right to it (an image larger than it is an error). fp32: ReparamEvalHook's
-equivalence check then compares the runtime with the unfused PyTorch model; INT8 differs by
-design, so the check is off.
+``--backend onnxruntime|openvino --export-dir DIR``: the model that ``tools/export_onnx.py
+CONFIG CHECKPOINT --out DIR`` exported runs in that runtime (``--int8``: its INT8 artifact).
+For a whole-model export (the default) only data loading and pre-processing stay in
+Python, so the metrics are those of the deployed model; a ``features`` / ``backbone``
+export runs the heads in PyTorch. The export must come from CHECKPOINT (SHA-256 recorded in
+DIR/export.json) and the config's model section; anything else is refused. fp32 exports of
+a part / a segmentor are also compared with the unfused PyTorch model on the first batch
+(ReparamEvalHook); INT8 differs by design, its error is bounded by the metrics (and
+``export.json``'s deviation on held-out images).
 """
 import argparse
 import copy
@@ -80,8 +81,8 @@ def parse_args(argv=None):
             parser.error(f'--export-dir {args.export_dir}: no export.json there; run '
                          f'tools/export_onnx.py CONFIG CKPT --out {args.export_dir} first')
         if args.tta:
-            parser.error('--tta runs at several input layouts; it is not supported with a '
-                         'runtime backend (the export has one static input shape)')
+            parser.error('--tta is not supported with a runtime backend (the runtime runs '
+                         'the exported single-pass model)')
     else:
         if args.int8:
             parser.error('--int8 needs --backend onnxruntime or openvino')
@@ -178,8 +179,10 @@ def setup_reparam_hook(cfg: Config, reparam, latency: bool) -> None:
 
 
 def setup_runtime_backend(cfg: Config, args, scope: str) -> None:
-    """Add ``RuntimeBackendHook`` for ``--backend onnxruntime/openvino``; INT8: turn off
-    ReparamEvalHook's fused-vs-unfused equivalence check (INT8 differs by design)."""
+    """Add ``RuntimeBackendHook`` for ``--backend onnxruntime/openvino`` after checking the
+    export belongs to the checkpoint and config. INT8: turn off ReparamEvalHook's
+    fused-vs-unfused check where it would compare the runtime (INT8 differs by design; a
+    whole detector's check compares PyTorch features and stays on)."""
     if args.backend == 'pytorch':
         return
     from mmslab.engine.hooks import read_export_info
@@ -187,16 +190,20 @@ def setup_runtime_backend(cfg: Config, args, scope: str) -> None:
         info = read_export_info(args.export_dir)
     except (OSError, ValueError) as err:
         raise SystemExit(f'error: {err}')
+    from mmslab.deploy.export_info import check_export_matches
+    try:
+        check_export_matches(info, args.export_dir, args.checkpoint, cfg)
+    except ValueError as err:
+        raise SystemExit(f'error: {err}')
     part = info['part']
-    if scope == 'mmdet' and part == 'model':
-        raise SystemExit(f"error: {args.export_dir} holds part 'model' (segmentor logits); a "
-                         "detector needs part 'features' or 'backbone'")
+    if scope == 'mmdet' and info.get('task') == 'semantic_segmentation':
+        raise SystemExit(f'error: {args.export_dir} holds a segmentor; the config is a detector')
     if scope == 'mmseg' and part == 'features':
         raise SystemExit(f"error: {args.export_dir} holds part 'features' (detector backbone + "
                          "neck); a segmentor needs part 'model' or 'backbone'")
     hooks = [h for h in (cfg.get('custom_hooks', None) or [])
              if h.get('type') != 'RuntimeBackendHook']
-    if args.int8:
+    if args.int8 and not (scope == 'mmdet' and part == 'model'):
         for h in hooks:
             if h.get('type') == 'ReparamEvalHook':
                 h['check_equivalence'] = False

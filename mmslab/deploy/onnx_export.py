@@ -1,23 +1,32 @@
-"""Export the fused backbone / features / segmentor logits to ONNX and check it in a runtime.
+"""Export the fused model, or a part of it, to ONNX.
 
 Parts:
 
 * ``backbone``: image ``[1, 3, H, W]`` -> the backbone's NCHW maps.
-* ``features``: detectors, backbone + neck (what ``extract_feat`` returns). The heads stay in
-  PyTorch: Mask R-CNN and RetinaNet post-processing (NMS, RoIAlign on a data-dependent number
-  of boxes, mask pasting) needs mmdeploy-style custom operators, which mmdeploy provides
-  only for its own backbones; running backbone + neck in the runtime is where the backbone
-  speed-up lives.
-* ``model``: segmentors, the whole network up to the decode head's logits (at 1/4 of the
-  input; resizing to the image and argmax stay in the caller).
+* ``features``: detectors, backbone + neck (what ``extract_feat`` returns).
+* ``model``: the whole network. Detectors (Mask R-CNN, RetinaNet; see :mod:`.end2end`):
+  ``dets [N, 5]`` (boxes in the input's pixels + score), ``labels [N]`` and, for Mask R-CNN,
+  ``masks [N, 28, 28]`` (RoI mask probabilities), after NMS. Segmentors: ``seg_logits`` (the
+  decode head's logits at 1/4 of the input) or, with ``seg_argmax``, ``seg_label [1, H, W]``
+  (logits resized to the input and argmax in the graph).
+
+Static exports trace one input size: window layouts, shift masks and padding are constants
+of the graph. ``dynamic=True`` traces inside :func:`~mmslab.models.layers.symbolic_shapes`
+(and, for mmdet's own Swin, :func:`.mmdet_swin.dynamic_mmdet_swin`), so those are computed
+from the runtime size and the graph serves any height and width.
 """
+from contextlib import ExitStack
 import os.path as osp
 from typing import List, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
+
+from mmslab.models.layers.symbolic import symbolic_shapes, symbolic_shapes_enabled
+from .compare import max_relative_error  # noqa: F401  (re-exported)
 
 PARTS = ('backbone', 'features', 'model')
 
@@ -32,24 +41,43 @@ def pooling_matrix(size: int, out: int) -> Tensor:
     return m
 
 
+def traced_pooling_matrix(size: Tensor, out: int, dtype: torch.dtype) -> Tensor:
+    """:func:`pooling_matrix` for a size known only at run time (a traced 0-d tensor)."""
+    i = torch.arange(out, device=size.device).view(-1, 1)
+    start = (i * size) // out
+    end = ((i + 1) * size + out - 1) // out
+    j = torch.arange(size, device=size.device).view(1, -1)
+    inside = ((j >= start) & (j < end)).to(dtype)
+    return inside / (end - start).to(dtype)
+
+
 class ExportableAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
     """``nn.AdaptiveAvgPool2d`` that exports for any output size.
 
     ONNX has no adaptive pooling; PyTorch's exporter handles only output sizes that divide
     the input (UperNet's pyramid pooling asks for 3x3 and 6x6 bins of a 16x16 map at
-    512x512). For a static input size the pooling is a fixed linear map on each axis, so the
-    export computes ``P_h @ x @ P_w^T`` with constant bin matrices. Eager calls are unchanged.
+    512x512). Pooling is a linear map on each axis, so the export computes
+    ``P_h @ x @ P_w^T`` with bin matrices: constants in a static export, computed from the
+    runtime size in a dynamic one. Eager calls are unchanged.
     """
 
     def forward(self, x: Tensor) -> Tensor:
         if not (torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()):
             return super().forward(x)
-        h, w = int(x.shape[-2]), int(x.shape[-1])
         oh, ow = self.output_size if isinstance(self.output_size, (tuple, list)) else \
             (self.output_size, self.output_size)
-        oh, ow = oh or h, ow or w  # None keeps that size
-        ph = pooling_matrix(h, oh).to(x)
-        pw = pooling_matrix(w, ow).to(x)
+        if symbolic_shapes_enabled():
+            h, w = x.shape[-2], x.shape[-1]
+            if oh is None or ow is None:
+                raise ValueError('adaptive pooling that keeps an input size (None) has no '
+                                 'dynamic-size export')
+            ph = traced_pooling_matrix(h, oh, x.dtype)
+            pw = traced_pooling_matrix(w, ow, x.dtype)
+        else:
+            h, w = int(x.shape[-2]), int(x.shape[-1])
+            oh, ow = oh or h, ow or w  # None keeps that size
+            ph = pooling_matrix(h, oh).to(x)
+            pw = pooling_matrix(w, ow).to(x)
         return ph @ x @ pw.t()  # [oh, h] @ [B, C, h, w] @ [w, ow]
 
 
@@ -64,63 +92,107 @@ def make_exportable(model: nn.Module) -> nn.Module:
     return model
 
 
+def _is_segmentor(model: nn.Module) -> bool:
+    return hasattr(model, 'decode_head')
+
+
+def _is_detector(model: nn.Module) -> bool:
+    return hasattr(model, 'extract_feat') and not _is_segmentor(model)
+
+
+class SegmentorEnd2End(nn.Module):
+    """``image [1, 3, H, W] -> seg_logits`` (the decode head's output) or, with ``argmax``,
+    ``seg_label [1, H, W]`` int64: logits resized to the input as the head does in
+    ``predict_by_feat`` (bilinear, its ``align_corners``), then argmax over classes."""
+
+    def __init__(self, model: nn.Module, argmax: bool = False):
+        super().__init__()
+        self.model, self.argmax = model, argmax
+        head = model.decode_head
+        self.align_corners = getattr(head[-1] if isinstance(head, nn.ModuleList) else head,
+                                     'align_corners', False)
+
+    def output_names(self) -> List[str]:
+        return ['seg_label'] if self.argmax else ['seg_logits']
+
+    def forward(self, image: Tensor) -> Tuple[Tensor, ...]:
+        logits = self.model._forward(image)
+        if not self.argmax:
+            return (logits, )
+        logits = F.interpolate(logits, size=image.shape[-2:], mode='bilinear',
+                               align_corners=self.align_corners)
+        return (logits.argmax(dim=1), )
+
+
 class ExportWrapper(nn.Module):
     """``forward(image) -> tuple of tensors`` for one part of an mmdet / mmseg model."""
 
-    def __init__(self, model: nn.Module, part: str):
+    def __init__(self, model: nn.Module, part: str, seg_argmax: bool = False):
         super().__init__()
         if part not in PARTS:
             raise ValueError(f'unknown part {part!r}; valid: {PARTS}')
-        is_segmentor = hasattr(model, 'decode_head')
-        is_detector = hasattr(model, 'extract_feat') and not is_segmentor
+        is_segmentor, is_detector = _is_segmentor(model), _is_detector(model)
         if part == 'features' and not is_detector:
             raise ValueError("part 'features' (backbone + neck) is for detectors; use "
                              "'backbone' or 'model' for a segmentor")
-        if part == 'model' and not is_segmentor:
-            raise ValueError(
-                "part 'model' is for segmentors. A detector's post-processing (NMS, RoIAlign "
-                "over a data-dependent number of boxes) has no ONNX form without custom "
-                "operators: export 'features' and run the heads in PyTorch")
+        if part == 'model' and not (is_detector or is_segmentor):
+            raise ValueError(f"part 'model' needs a detector or a segmentor, not "
+                             f'{type(model).__name__}')
+        if seg_argmax and not (part == 'model' and is_segmentor):
+            raise ValueError("seg_argmax applies to part 'model' of a segmentor")
         if part == 'backbone':
             # a detector / segmentor, or a bare backbone (mmdet's Swin has a `backbone`
             # attribute of its own that is None)
             self.model = model.backbone if (is_detector or is_segmentor) else model
+        elif part == 'model' and is_detector:
+            from .end2end import DetectorEnd2End
+            self.model = DetectorEnd2End(model)
+        elif part == 'model':
+            self.model = SegmentorEnd2End(model, seg_argmax)
         else:
             self.model = model
         self.part = part
 
+    def output_names(self, num_outputs: int) -> List[str]:
+        if self.part == 'model':
+            return self.model.output_names()
+        return [f'out{i}' for i in range(num_outputs)]
+
     def forward(self, image: Tensor) -> Tuple[Tensor, ...]:
         m = self.model
-        if self.part == 'backbone':
-            outs = m(image)
-        elif self.part == 'features':
+        if self.part == 'features':
             outs = m.extract_feat(image)
         else:
-            outs = m._forward(image)
+            outs = m(image)
         return tuple(outs) if isinstance(outs, (list, tuple)) else (outs, )
 
 
-def output_names(n: int) -> List[str]:
-    return [f'out{i}' for i in range(n)]
-
-
 def export_onnx(model: nn.Module, part: str, shape: Tuple[int, int], path: str,
-                dynamic: bool = False, opset: int = 18) -> List[str]:
-    """Write ``part`` of the (already fused, eval-mode) ``model`` to ``path``; returns the
-    output names. ``dynamic``: height and width are free (multiples of 32)."""
-    wrapper = ExportWrapper(make_exportable(model), part).eval()
+                dynamic: bool = False, opset: int = 18, seg_argmax: bool = False) -> List[str]:
+    """Write ``part`` of the (already fused, eval-mode) ``model`` to ``path``, traced at
+    ``shape``; returns the output names. ``dynamic``: height and width are free."""
+    from .mmdet_swin import dynamic_mmdet_swin
+    wrapper = ExportWrapper(make_exportable(model), part, seg_argmax).eval()
     dummy = torch.randn(1, 3, *shape)
-    with torch.no_grad():
-        n_out = len(wrapper(dummy))
-    names = output_names(n_out)
-    axes = None
-    if dynamic:
-        axes = {'image': {2: 'height', 3: 'width'}}
-        axes.update({n: {2: f'{n}_h', 3: f'{n}_w'} for n in names})
-    with torch.no_grad():
-        torch.onnx.export(wrapper, (dummy, ), path, input_names=['image'], output_names=names,
-                          dynamic_axes=axes, opset_version=opset, dynamo=False,
-                          do_constant_folding=True)
+    with ExitStack() as stack:
+        if dynamic:
+            stack.enter_context(symbolic_shapes())
+            stack.enter_context(dynamic_mmdet_swin())
+        with torch.no_grad():
+            names = wrapper.output_names(len(wrapper(dummy)))
+        axes = None
+        if dynamic:
+            axes = {'image': {2: 'height', 3: 'width'}}
+        if part == 'model' and _is_detector(model):
+            axes = dict(axes or {}, **{n: {0: 'num_dets'} for n in names})
+        elif dynamic and 'seg_label' in names:
+            axes['seg_label'] = {1: 'height', 2: 'width'}
+        elif dynamic:
+            axes.update({n: {2: f'{n}_h', 3: f'{n}_w'} for n in names})
+        with torch.no_grad():
+            torch.onnx.export(wrapper, (dummy, ), path, input_names=['image'],
+                              output_names=names, dynamic_axes=axes, opset_version=opset,
+                              dynamo=False, do_constant_folding=True)
     fold_weight_paths(path)
     return names
 
@@ -173,22 +245,10 @@ def fold_weight_paths(path: str) -> int:
     return folded
 
 
-def torch_outputs(model: nn.Module, part: str, image: Tensor) -> List[np.ndarray]:
+def torch_outputs(model: nn.Module, part: str, image: Tensor,
+                  seg_argmax: bool = False) -> List[np.ndarray]:
     with torch.no_grad():
-        return [o.numpy() for o in ExportWrapper(model, part).eval()(image)]
-
-
-def max_relative_error(ref: Sequence[np.ndarray], out: Sequence[np.ndarray]) -> float:
-    """Largest ``max|a - b| / max|a|`` over the outputs (shapes must match)."""
-    if len(ref) != len(out):
-        raise RuntimeError(f'runtime returned {len(out)} outputs, PyTorch {len(ref)}')
-    worst = 0.0
-    for a, b in zip(ref, out):
-        if a.shape != b.shape:
-            raise RuntimeError(f'runtime output shape {b.shape} != PyTorch {a.shape}')
-        scale = max(float(np.abs(a).max()), 1e-6)
-        worst = max(worst, float(np.abs(a.astype(np.float64) - b).max()) / scale)
-    return worst
+        return [o.numpy() for o in ExportWrapper(model, part, seg_argmax).eval()(image)]
 
 
 def onnx_size_mb(path: str) -> float:

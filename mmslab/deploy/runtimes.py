@@ -170,15 +170,31 @@ def quantize_openvino(xml_path: str, out_path: str, calibration: Sequence[np.nda
     return out_path
 
 
-def calibration_images(cfg, model, num: int, shape=None) -> List[np.ndarray]:
-    """``num`` images of the config's training set, through its test pipeline and the model's
-    data preprocessor (normalized, padded), as ``[1, 3, H, W]`` float32 arrays; resized to
-    ``shape`` when the exported model has a static input."""
+def pad_to_shape(image, shape) -> 'np.ndarray':
+    """``[1, 3, h, w]`` zero-padded at the bottom/right to a static export's ``shape``, as
+    inference pads it (an image larger than ``shape`` cannot run in that export)."""
+    h, w = image.shape[-2:]
+    eh, ew = shape
+    if h > eh or w > ew:
+        raise ValueError(f'input of {h}x{w} (after the data preprocessor) is larger than the '
+                         f'exported static shape {eh}x{ew}: export with --dynamic, or with '
+                         '--shape H W at least as large as the images')
+    return np.pad(image, ((0, 0), (0, 0), (0, eh - h), (0, ew - w)))
+
+
+def preprocessed_images(cfg, model, num: int, split: str = 'train',
+                        shape=None) -> List[np.ndarray]:
+    """``num`` images of the config's ``split`` ('train' or 'test') set through the test
+    pipeline and the model's data preprocessor (normalized, padded to its size divisor) as
+    ``[1, 3, H, W]`` float32 arrays, the inputs the deployed model gets; zero-padded to
+    ``shape`` for a static export, as inference pads them."""
     import torch
-    import torch.nn.functional as F
     from mmengine.dataset import pseudo_collate
-    from mmengine.registry import DATASETS
-    ds_cfg = cfg.train_dataloader.dataset.copy()
+    from mmengine.registry import DATASETS, init_default_scope
+    if split not in ('train', 'test'):
+        raise ValueError(f"split {split!r}; valid: 'train', 'test'")
+    init_default_scope(cfg.get('default_scope', 'mmdet'))
+    ds_cfg = cfg[f'{split}_dataloader'].dataset.copy()
     while 'dataset' in ds_cfg and 'pipeline' not in ds_cfg:  # RepeatDataset & co.
         ds_cfg = ds_cfg.dataset.copy()
     ds_cfg.pipeline = cfg.test_dataloader.dataset.pipeline
@@ -186,13 +202,17 @@ def calibration_images(cfg, model, num: int, shape=None) -> List[np.ndarray]:
     ds_cfg.pop('filter_cfg', None)
     dataset = DATASETS.build(ds_cfg)
     if len(dataset) == 0:
-        raise RuntimeError('the calibration dataset is empty')
+        raise RuntimeError(f'the {split} dataset of the config is empty')
     out = []
-    for i in range(min(num, len(dataset))):
-        data = model.data_preprocessor(pseudo_collate([dataset[i]]), False)
-        image = data['inputs']
-        if shape is not None and tuple(image.shape[-2:]) != tuple(shape):
-            image = F.interpolate(image, size=shape, mode='bilinear', align_corners=False)
-        with torch.no_grad():
-            out.append(image.float().numpy())
+    with torch.no_grad():
+        for i in range(min(num, len(dataset))):
+            data = model.data_preprocessor(pseudo_collate([dataset[i]]), False)
+            image = data['inputs'].float().numpy()
+            out.append(pad_to_shape(image, shape) if shape is not None else image)
     return out
+
+
+def calibration_images(cfg, model, num: int, shape=None) -> List[np.ndarray]:
+    """INT8 calibration inputs: images of the training set (:func:`preprocessed_images`);
+    the INT8 error is then measured on test-set images, which calibration never saw."""
+    return preprocessed_images(cfg, model, num, 'train', shape)

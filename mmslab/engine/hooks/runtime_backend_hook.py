@@ -1,14 +1,21 @@
-"""Evaluate with the exported model part running in onnxruntime or OpenVINO.
+"""Evaluate with the exported model (or part) running in onnxruntime or OpenVINO.
 
-``tools/export_onnx.py`` writes one part of the fused model (``backbone``, ``features`` =
-backbone + neck of a detector, ``model`` = a segmentor's logits) to ONNX / OpenVINO, fp32 and
-INT8. :class:`RuntimeBackendHook` makes the test loop run that artifact: before the
+``tools/export_onnx.py`` writes the fused model, or one part of it, to ONNX / OpenVINO, fp32
+and INT8. :class:`RuntimeBackendHook` makes the test loop run that artifact: before the
 epoch it replaces, on the model instance the loop calls, the method that computes the
-exported part (``extract_feat``, or ``encode_decode`` and ``_forward`` for part ``model``)
-with one that runs the runtime image by image; heads, post-processing and the segmentor's
-resize + argmax stay in PyTorch. The metrics are then those of the deployed artifact.
+exported part with one that runs the runtime image by image:
+
+* part ``model`` of a detector: ``predict`` itself. Only data loading and the data
+  preprocessor stay in Python; the runtime's ``dets`` are mapped to the original image
+  (``/ scale_factor``, as mmdet rescales) and its RoI masks pasted there with mmdet's own
+  pasting, so the metrics are those of the deployed detector;
+* part ``model`` of a segmentor: ``encode_decode`` (the logits; mmseg's resize to the
+  original image follows);
+* ``features`` / ``backbone``: ``extract_feat``, with the heads in PyTorch.
+
+Static exports get each preprocessed image zero-padded at the bottom/right to the exported
+size; dynamic exports take it as it is.
 """
-import json
 import math
 import os.path as osp
 from typing import List, Optional, Sequence, Tuple
@@ -20,21 +27,22 @@ import torch.nn.functional as F
 from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
 
+from mmslab.deploy.export_info import read_export_info
 from mmslab.registry import register_hook
 
 
-def read_export_info(export_dir: str) -> dict:
-    """``export.json`` of a directory written by ``tools/export_onnx.py``."""
-    path = osp.join(export_dir, 'export.json')
-    if not osp.isfile(path):
-        raise FileNotFoundError(f'{path} not found: --export-dir must be a directory written by '
-                                'tools/export_onnx.py --out DIR')
-    with open(path) as f:
-        info = json.load(f)
-    for key in ('part', 'shape'):
-        if key not in info:
-            raise ValueError(f'{path} has no {key!r}: not written by tools/export_onnx.py?')
-    return info
+def paste_roi_masks(masks: torch.Tensor, boxes: torch.Tensor, img_h: int, img_w: int,
+                    threshold: float) -> torch.Tensor:
+    """``[N, 28, 28]`` RoI mask probabilities -> ``[N, img_h, img_w]`` bool masks at
+    ``boxes`` (original-image pixels), pasted one by one as mmdet's ``FCNMaskHead`` does on
+    the CPU."""
+    from mmdet.models.roi_heads.mask_heads.fcn_mask_head import _do_paste_mask
+    out = torch.zeros(len(masks), img_h, img_w, dtype=torch.bool)
+    for i in range(len(masks)):
+        chunk, spatial = _do_paste_mask(masks[i:i + 1, None], boxes[i:i + 1], img_h, img_w,
+                                        skip_empty=True)
+        out[(torch.tensor([i]), ) + spatial] = chunk >= threshold
+    return out
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -69,6 +77,19 @@ class RuntimePart:
         self.runtime_model = runtime_model
         self.shape = tuple(shape) if shape is not None else None  # None: dynamic export
 
+    def whole(self, image: torch.Tensor) -> List[torch.Tensor]:
+        """One ``[1, 3, h, w]`` image through a whole-model export, outputs as they come
+        (detections are in the input's pixels, so zero padding at the bottom/right of a
+        static export leaves them where they are)."""
+        image = image.detach().float().cpu()
+        if self.shape is not None:
+            from mmslab.deploy.runtimes import pad_to_shape
+            try:
+                image = torch.from_numpy(pad_to_shape(image.numpy(), self.shape))
+            except ValueError as err:
+                raise RuntimeError(str(err)) from None
+        return [torch.from_numpy(np.asarray(o)) for o in self.runtime_model(image.numpy())]
+
     def __call__(self, inputs: torch.Tensor) -> List[torch.Tensor]:
         h, w = inputs.shape[-2:]
         if self.shape is not None:
@@ -76,8 +97,8 @@ class RuntimePart:
             if h > eh or w > ew:
                 raise RuntimeError(
                     f'input of {h}x{w} (after the data preprocessor) is larger than the exported '
-                    f'static shape {eh}x{ew}: export with tools/export_onnx.py --shape H W at '
-                    f'least as large as the test images (padded to the size divisor)')
+                    f'static shape {eh}x{ew}: export with tools/export_onnx.py --dynamic (the '
+                    'default), or --shape H W at least as large as the test images')
             pad = (0, ew - w, 0, eh - h)
         per_image = []
         for image in inputs.detach().float().cpu():
@@ -166,10 +187,15 @@ class RuntimeBackendHook(Hook):
                 return x
 
             return dict(extract_feat=extract_feat)
+        if part == 'model' and is_detector:
+            return dict(predict=self._detector_predict(model, run))
         if part == 'model':
             if not is_segmentor:
-                raise RuntimeError(f"{self.export_dir} holds part 'model' (segmentor logits) but "
-                                   f'the model is a {type(model).__name__}')
+                raise RuntimeError(f"cannot run a whole-model export in a "
+                                   f'{type(model).__name__}')
+            if self.info.get('outputs') == ['seg_label']:
+                raise RuntimeError(f'{self.export_dir} ends in argmax (--seg-argmax): mmseg '
+                                   'evaluates logits; export without --seg-argmax to evaluate')
             head = model.decode_head
             if isinstance(head, nn.ModuleList):  # CascadeEncoderDecoder: the last head
                 head = head[-1]
@@ -189,6 +215,33 @@ class RuntimeBackendHook(Hook):
             # _forward: mode='tensor', which ReparamEvalHook's equivalence check calls
             return dict(encode_decode=encode_decode, _forward=forward_logits)
         raise RuntimeError(f'unknown part {part!r} in {self.export_dir}/export.json')
+
+    def _detector_predict(self, model: nn.Module, run: 'RuntimePart'):
+        """``predict`` of a detector whose whole network runs in the runtime."""
+        names = self.info.get('outputs') or []
+        if names[:2] != ['dets', 'labels']:
+            raise RuntimeError(f"{self.export_dir}: a detector export has outputs 'dets', "
+                               f"'labels'[, 'masks'], not {names}")
+        threshold = float(self.info.get('mask_thr_binary', 0.5))
+
+        def predict(batch_inputs, batch_data_samples, rescale: bool = True):
+            from mmengine.structures import InstanceData
+            for i, sample in enumerate(batch_data_samples):
+                outs = dict(zip(names, run.whole(batch_inputs[i:i + 1])))
+                dets, labels = outs['dets'].float(), outs['labels'].long()
+                bboxes = dets[:, :4].clone()
+                if rescale:  # mmdet divides by scale_factor, without clipping
+                    scale = bboxes.new_tensor(sample.metainfo['scale_factor']).repeat(2)
+                    bboxes /= scale
+                results = InstanceData(bboxes=bboxes, scores=dets[:, 4], labels=labels)
+                if 'masks' in outs:
+                    h, w = sample.metainfo['ori_shape' if rescale else 'img_shape'][:2]
+                    results.masks = paste_roi_masks(outs['masks'].float(), bboxes, h, w,
+                                                    threshold)
+                sample.pred_instances = results
+            return batch_data_samples
+
+        return predict
 
     def _enter(self, runner) -> None:
         model = _unwrap(runner.model)

@@ -25,6 +25,7 @@ from ..layers.builder import build_norm, check_norm_cfg, is_foldable_norm, resol
 from ..layers.deploy import Reparameterizable
 from ..layers.linear_attention import SLA
 from ..layers.patch import PatchEmbed
+from ..layers.symbolic import symbolic_shapes_enabled
 from .base import (SLAB_NORM_CFG, BackbonePreset, ReparamBackboneMixin, check_bn_stats,
                    freeze_module, init_cfg_from_pretrained, per_stage)
 
@@ -230,7 +231,9 @@ class AbsolutePositionEmbedding(nn.Module):
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
         pos = self.pos_embed
-        if tuple(hw_shape) != tuple(self.pos_shape):
+        # traced sizes (dynamic-size export) cannot be compared: resize always (a resize to
+        # the same grid is exact)
+        if symbolic_shapes_enabled() or tuple(hw_shape) != tuple(self.pos_shape):
             grid = pos.reshape(1, *self.pos_shape, -1).permute(0, 3, 1, 2)
             pos = F.interpolate(grid, size=hw_shape, mode='bilinear').flatten(2).transpose(1, 2)
         return self.drop(x + pos)

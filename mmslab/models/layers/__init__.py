@@ -8,6 +8,7 @@ from .linear_attention import SLA, BiNormAttention
 from .patch import PatchEmbed, PatchMerging
 from .repbn import PRepBN, RepBN
 from .shift_window import ShiftWindowAttention
+from .symbolic import symbolic_shapes, symbolic_shapes_enabled
 from .token_bn import TokenBN
 from .unified_norm import UN
 from .window_attention import WindowKernelBase, WindowMSA
@@ -18,6 +19,7 @@ __all__ = [
     'build_window_attention', 'check_norm_cfg', 'get_ffn', 'get_norm_layer',
     'get_window_attention', 'is_foldable_norm', 'layer_class', 'Reparameterizable', 'deploy_children',
     'BlockFFN', 'ChannelIdleFFN', 'SwinFFN', 'SLA', 'BiNormAttention', 'PatchEmbed',
-    'PatchMerging', 'PRepBN', 'RepBN', 'ShiftWindowAttention', 'TokenBN', 'UN',
+    'PatchMerging', 'PRepBN', 'RepBN', 'ShiftWindowAttention', 'symbolic_shapes',
+    'symbolic_shapes_enabled', 'TokenBN', 'UN',
     'WindowKernelBase', 'WindowMSA'
 ]

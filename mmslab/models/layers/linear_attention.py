@@ -12,6 +12,7 @@ from mmengine.model.weight_init import trunc_normal_
 from torch import Tensor
 
 from mmslab.registry import register_model
+from .symbolic import symbolic_shapes_enabled
 from .window_attention import WindowKernelBase
 
 
@@ -62,12 +63,19 @@ class SLA(WindowKernelBase):
     def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
                shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
                cache_key=None) -> Tensor:
-        bw, n, c3 = qkv.shape
-        c = c3 // 3
+        bw, n, _ = qkv.shape
+        c = self.embed_dims
         wh, ww = window_hw
         q, k, v = qkv.split(c, dim=-1)
         pos = self.positional_encoding
-        if (wh, ww) != self.window_size:
+        if symbolic_shapes_enabled():  # window sizes are tensors: no Python comparison
+            grid = pos.view(1, *self.window_size, c)
+            if self.resize_pos:  # (a resize to the same grid is exact)
+                pos = F.interpolate(grid.permute(0, 3, 1, 2), size=(wh, ww), mode='bilinear',
+                                    align_corners=False).flatten(2).transpose(1, 2)
+            else:  # the window never exceeds the learned one there (see ShiftWindowAttention)
+                pos = grid[:, :wh, :ww].reshape(1, -1, c)
+        elif (wh, ww) != self.window_size:
             grid = pos.view(1, *self.window_size, c)
             if (not self.resize_pos and wh <= self.window_size[0]
                     and ww <= self.window_size[1]):
@@ -124,8 +132,8 @@ class BiNormAttention(WindowKernelBase):
     def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
                shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
                cache_key=None) -> Tensor:
-        bw, n, c3 = qkv.shape
-        q, k, v = qkv.split(c3 // 3, dim=-1)
+        bw = qkv.shape[0]
+        q, k, v = qkv.split(self.embed_dims, dim=-1)
         if valid is not None:
             k = k * valid.to(k.dtype).repeat(bw // num_windows, 1).unsqueeze(-1)
         q, k, v = (_split_heads(t, self.num_heads) for t in (q, k, v))

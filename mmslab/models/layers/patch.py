@@ -9,6 +9,7 @@ from torch import Tensor
 from .affine import FoldableNorm, fold_affine_into_next_linear, fold_affine_into_prev
 from .builder import build_norm, is_foldable_norm
 from .deploy import Reparameterizable
+from .symbolic import as_size, ceil_div, symbolic_shapes_enabled
 
 
 class _NormFoldingLayer(Reparameterizable, nn.Module):
@@ -66,12 +67,20 @@ class PatchEmbed(_NormFoldingLayer):
     def forward(self, x: Tensor) -> Tuple[Tensor, Tuple[int, int]]:
         # Plain ints: traced, `-(-h // s)` would export as ONNX Div, which truncates toward
         # zero where Python floors, and the padding would be lost (static-shape export).
-        h, w = int(x.shape[-2]), int(x.shape[-1])
+        # (Dynamic-size export: traced sizes; they are non-negative, so ceil_div is exact.)
         k, s = self.patch_size, self.stride
-        pad_h = max((-(-h // s) - 1) * s + k - h, 0)
-        pad_w = max((-(-w // s) - 1) * s + k - w, 0)
-        if self.adaptive_padding and (pad_h or pad_w):
-            x = F.pad(x, (0, pad_w, 0, pad_h))
+        if symbolic_shapes_enabled():
+            if self.adaptive_padding:
+                h, w = as_size(x.shape[-2], x.device), as_size(x.shape[-1], x.device)
+                pad_h = ((ceil_div(h, s) - 1) * s + k - h).clamp(min=0)
+                pad_w = ((ceil_div(w, s) - 1) * s + k - w).clamp(min=0)
+                x = F.pad(x, (0, pad_w, 0, pad_h))
+        else:
+            h, w = int(x.shape[-2]), int(x.shape[-1])
+            pad_h = max((-(-h // s) - 1) * s + k - h, 0)
+            pad_w = max((-(-w // s) - 1) * s + k - w, 0)
+            if self.adaptive_padding and (pad_h or pad_w):
+                x = F.pad(x, (0, pad_w, 0, pad_h))
         # Channels-last conv output makes the [B, H*W, C] tokens a contiguous view: every
         # later Linear and residual add then runs on contiguous memory.
         x = self.projection(x.contiguous(memory_format=torch.channels_last))
@@ -136,7 +145,9 @@ class PatchMerging(_NormFoldingLayer):
         if n != h * w:
             raise ValueError(f'input has {n} tokens but hw_shape {hw_shape} has {h * w}')
         x = x.view(b, h, w, c)
-        if h % 2 or w % 2:
+        if symbolic_shapes_enabled():  # traced sizes: pad by 0 or 1 without a branch
+            x = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))
+        elif h % 2 or w % 2:
             x = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))
         h2, w2 = x.shape[1] // 2, x.shape[2] // 2
         if self._offset_major_ready():

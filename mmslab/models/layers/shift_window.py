@@ -7,6 +7,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from .builder import build_window_attention
+from .symbolic import as_size, ceil_div, symbolic_shapes_enabled
 
 
 def window_partition(x: Tensor, wh: int, ww: int) -> Tensor:
@@ -24,7 +25,9 @@ class ShiftWindowAttention(nn.Module):
     ``proj`` runs after cropping. Kernels with ``masks_padding`` exclude padded tokens instead.
     Pad + roll + partition is a single cached-index gather, and so is its inverse; shift and
     padding masks are constants cached per input size. Exported graphs run ``qkv`` on the
-    tokens instead and gather the windows from them plus one appended padded row.
+    tokens instead and gather the windows from them plus one appended padded row; inside
+    :func:`~mmslab.models.layers.symbolic.symbolic_shapes` (dynamic-size export) the gather
+    indices and the shift mask are computed from the runtime size in the graph.
 
     Shape: ``[B, H*W, C]`` with ``hw_shape=(H, W)`` -> ``[B, H*W, C]``.
     """
@@ -114,6 +117,8 @@ class ShiftWindowAttention(nn.Module):
         return pad.to(like.dtype).view(1, 1, -1)
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
+        if symbolic_shapes_enabled():
+            return self._forward_symbolic(x, hw_shape)
         b, n, c = x.shape
         # Plain ints even under tracing (ONNX export): the layout and masks are constants of
         # the input size and are cached by it; traced size tensors would be hashed by id.
@@ -158,4 +163,52 @@ class ShiftWindowAttention(nn.Module):
             else:
                 pidx = lay['pidx']
             out = out[bidx, pidx].view(b, n, c)
+        return kernel.proj_drop(kernel.proj(out))
+
+    # -- shape-generic path (dynamic-size export) ----------------------------------------------
+    def _forward_symbolic(self, x: Tensor, hw_shape) -> Tensor:
+        """:meth:`forward` with every size-dependent quantity computed from ``hw_shape`` as
+        tensors: the same slots, padding values, masks and order as the cached layout."""
+        kernel = self.w_msa
+        c = kernel.embed_dims
+        dev = x.device
+        h, w = as_size(hw_shape[0], dev), as_size(hw_shape[1], dev)
+        wh, ww = self.window_size
+        s = self.shift_size
+        if kernel.masks_padding:
+            # as _window_for: a map that fits in one window becomes the (unshifted) window
+            fits = (h <= wh) & (w <= ww)
+            shrunk = fits & ((h != wh) | (w != ww))  # the shift stays on a full window
+            wh, ww = torch.where(fits, h, wh), torch.where(fits, w, ww)
+            s = torch.where(shrunk, 0, s)
+        hp, wp = ceil_div(h, wh) * wh, ceil_div(w, ww) * ww
+        nwh, nww = hp // wh, wp // ww
+        # padded-frame coordinates of every window slot, window-major: [nWh, nWw, wh, ww]
+        row = (torch.arange(nwh, device=dev).view(-1, 1, 1, 1) * wh +
+               torch.arange(wh, device=dev).view(1, 1, -1, 1))
+        col = (torch.arange(nww, device=dev).view(1, -1, 1, 1) * ww +
+               torch.arange(ww, device=dev).view(1, 1, 1, -1))
+        src_i, src_j = (row + s) % hp, (col + s) % wp
+        valid = (src_i < h) & (src_j < w)
+        n = wh * ww
+        gather = torch.where(valid, src_i * w + src_j, h * w).reshape(-1)
+        shift_mask = None
+        if self.shift_size and kernel.uses_shift_mask:
+            # regions the cyclic shift wrapped, by padded coordinate (as _shift_mask)
+            region = (((row >= hp - wh).long() + (row >= hp - s).long()) * 3 +
+                      (col >= wp - ww).long() + (col >= wp - s).long())
+            region = region.reshape(-1, n)  # [nW, N]
+            shift_mask = torch.where(region.unsqueeze(1) != region.unsqueeze(2),
+                                     torch.tensor(-100.0, device=dev),
+                                     torch.tensor(0.0, device=dev)).to(x.dtype)
+        tokens = kernel.qkv(x)  # [B, H*W, 3C]
+        pad = self._pad_row(kernel, tokens).expand(tokens.shape[0], 1, 3 * c)
+        windows = torch.cat([tokens, pad], dim=1).index_select(1, gather).reshape(-1, n, 3 * c)
+        out = kernel.attend(windows, nwh * nww, (wh, ww), shift_mask=shift_mask,
+                            valid=valid.reshape(-1, n) if kernel.masks_padding else None)
+        # back to token order: the slot of token (r, c) is where the shift moved it
+        r = (torch.arange(h, device=dev).view(-1, 1) - s + hp) % hp
+        q = (torch.arange(w, device=dev).view(1, -1) - s + wp) % wp
+        slot = ((r // wh) * nww + q // ww) * n + (r % wh) * ww + q % ww
+        out = out.reshape(tokens.shape[0], -1, c).index_select(1, slot.reshape(-1))
         return kernel.proj_drop(kernel.proj(out))

@@ -21,6 +21,7 @@ from torch import Tensor
 from mmslab.registry import register_model
 from .affine import fold_affine_into_next_linear
 from .deploy import Reparameterizable
+from .symbolic import symbolic_shapes_enabled
 
 
 def relative_position_index(window_size: Tuple[int, int]) -> Tensor:
@@ -180,6 +181,8 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
     def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
                shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
                cache_key=None) -> Tensor:
+        if symbolic_shapes_enabled():
+            return self._attend_symbolic(qkv, shift_mask)
         bw, n = int(qkv.shape[0]), int(qkv.shape[1])  # constants under tracing (see caller)
         if window_hw != self.window_size:
             raise ValueError(f'WindowMSA with window {self.window_size} got windows {window_hw}')
@@ -192,6 +195,21 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
             impl = choose_window_softmax(q, k, v, mask, self.scale)
             out = WINDOW_SOFTMAX_IMPLS[impl](q, k, v, mask, self.scale)
         return out.transpose(1, 2)  # [B', N, heads, d] view; the caller gathers it
+
+    def _attend_symbolic(self, qkv: Tensor, shift_mask: Optional[Tensor]) -> Tensor:
+        """:meth:`attend` for any number of windows (dynamic-size export): matmul + softmax
+        with the bias (+ a ``[nW, N, N]`` shift mask) broadcast over the batch."""
+        n = self.window_size[0] * self.window_size[1]
+        q, k, v = qkv.reshape(-1, n, 3, self.num_heads, self.head_dims).permute(2, 0, 3, 1, 4)
+        attn = (q * self.scale) @ k.transpose(-2, -1)  # [B*nW, heads, N, N]
+        bias = self.position_bias().to(attn.dtype)
+        if shift_mask is None:
+            attn = attn + bias
+        else:
+            mask = bias + shift_mask.to(attn.dtype).unsqueeze(1)  # [nW, heads, N, N]
+            attn = (attn.reshape(-1, shift_mask.shape[0], self.num_heads, n, n) + mask)
+            attn = attn.reshape(-1, self.num_heads, n, n)
+        return (attn.softmax(dim=-1) @ v).transpose(1, 2)
 
 
 def _softmax_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:

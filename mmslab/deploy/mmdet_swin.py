@@ -1,0 +1,99 @@
+"""Dynamic-size export of mmdet's and mmseg's own Swin Transformer.
+
+Their ``ShiftWindowMSA`` and ``AdaptivePadding`` compute sizes with Python (``math.ceil``,
+``int(...)``, ``if pad > 0``), so a traced graph holds the padding, window count and shift
+mask of the traced size only. :func:`dynamic_mmdet_swin` swaps in forwards that compute the
+same quantities from the runtime size in the graph (what mmdeploy's rewrites did for its own
+export), for the duration of a dynamic export; the numbers are those of the original
+forwards (``tests/test_dynamic_export.py`` compares them).
+"""
+from contextlib import contextmanager
+from typing import Iterator, List, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mmslab.models.layers.symbolic import as_size, ceil_div
+
+
+def _adaptive_padding_forward(self, x: Tensor) -> Tensor:
+    """``AdaptivePadding.forward`` with traced sizes (pads by zero when nothing is needed)."""
+    (kh, kw), (sh, sw), (dh, dw) = self.kernel_size, self.stride, self.dilation
+    h, w = as_size(x.shape[-2], x.device), as_size(x.shape[-1], x.device)
+    pad_h = ((ceil_div(h, sh) - 1) * sh + (kh - 1) * dh + 1 - h).clamp(min=0)
+    pad_w = ((ceil_div(w, sw) - 1) * sw + (kw - 1) * dw + 1 - w).clamp(min=0)
+    if self.padding == 'corner':
+        return F.pad(x, [0, pad_w, 0, pad_h])
+    return F.pad(x, [pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2])
+
+
+def _shift_window_msa_forward(self, query: Tensor, hw_shape) -> Tensor:
+    """``ShiftWindowMSA.forward`` with padding, window partition / reverse and the shift
+    mask computed from the runtime size."""
+    b, _, c = query.shape
+    h, w = hw_shape
+    ws, s = self.window_size, self.shift_size
+    x = query.view(b, h, w, c)
+    x = F.pad(x, (0, 0, 0, (ws - w % ws) % ws, 0, (ws - h % ws) % ws))
+    hp, wp = x.shape[1], x.shape[2]
+    mask = None
+    if s > 0:
+        x = torch.roll(x, shifts=(-s, -s), dims=(1, 2))
+        # the regions of the padded map the cyclic shift wrapped (mmdet's img_mask)
+        rows = torch.arange(hp, device=x.device)
+        cols = torch.arange(wp, device=x.device)
+        region = (((rows >= hp - ws).long() + (rows >= hp - s).long()).view(-1, 1) * 3 +
+                  ((cols >= wp - ws).long() + (cols >= wp - s).long()).view(1, -1))
+        region = region.view(hp // ws, ws, wp // ws, ws).transpose(1, 2).reshape(-1, ws * ws)
+        mask = torch.where(region.unsqueeze(1) != region.unsqueeze(2),
+                           torch.tensor(-100.0, device=x.device),
+                           torch.tensor(0.0, device=x.device))
+    windows = x.view(b, hp // ws, ws, wp // ws, ws, c).transpose(2, 3).reshape(-1, ws * ws, c)
+    out = self.w_msa(windows, mask=mask)
+    x = out.view(b, hp // ws, wp // ws, ws, ws, c).transpose(2, 3).reshape(b, hp, wp, c)
+    if s > 0:
+        x = torch.roll(x, shifts=(s, s), dims=(1, 2))
+    x = x[:, :h, :w, :].reshape(b, h * w, c)
+    return self.drop(x)
+
+
+def _patched_classes() -> List[Tuple[type, str, object]]:
+    """(class, method name, replacement) for every Swin implementation installed."""
+    targets = []
+    try:
+        from mmdet.models.backbones.swin import ShiftWindowMSA as DetMSA
+        from mmdet.models.layers.transformer.utils import AdaptivePadding as DetPad
+        targets += [(DetMSA, 'forward', _shift_window_msa_forward),
+                    (DetPad, 'forward', _adaptive_padding_forward)]
+    except ImportError:
+        pass
+    try:
+        from mmseg.models.backbones.swin import ShiftWindowMSA as SegMSA
+        from mmseg.models.utils.embed import AdaptivePadding as SegPad
+        targets += [(SegMSA, 'forward', _shift_window_msa_forward),
+                    (SegPad, 'forward', _adaptive_padding_forward)]
+    except ImportError:
+        pass
+    try:
+        from mmcv.cnn.bricks.transformer import AdaptivePadding as CvPad
+        targets.append((CvPad, 'forward', _adaptive_padding_forward))
+    except ImportError:
+        pass
+    return targets
+
+
+@contextmanager
+def dynamic_mmdet_swin() -> Iterator[None]:
+    """Inside the block, mmdet's / mmseg's Swin layers take the shape-generic forwards."""
+    saved = []
+    try:
+        for cls, name, fn in _patched_classes():
+            if any(cls is c and name == n for c, n, _ in saved):
+                continue  # one class reachable from two packages
+            saved.append((cls, name, cls.__dict__[name]))
+            setattr(cls, name, fn)
+        yield
+    finally:
+        for cls, name, fn in reversed(saved):
+            setattr(cls, name, fn)

@@ -1,0 +1,50 @@
+"""Shape-generic forward paths, for exports whose height and width are free.
+
+Eager mmslab layers read sizes as Python ints and cache what depends only on them (window
+layouts, shift masks, gathered biases): fast, and a traced graph then holds those as
+constants of one input size. Inside :func:`symbolic_shapes` the same layers compute the
+size-dependent parts from the runtime shape instead (padding, window partition and reverse,
+the shift mask, pooling bins), so a graph traced there serves any input size. The two paths
+give the same numbers; ``tests/test_dynamic_export.py`` checks exported graphs against the
+unfused model at sizes other than the traced one.
+
+Under tracing ``x.shape[i]`` is a 0-d tensor, so arithmetic on sizes is recorded. Sizes are
+non-negative, where ONNX ``Div`` (truncating) and Python's ``//`` (flooring) agree; ceilings
+are written ``(n + d - 1) // d`` for that reason.
+"""
+from contextlib import contextmanager
+from typing import Iterator, Union
+
+import torch
+from torch import Tensor
+
+_enabled = [False]
+
+Size = Union[int, Tensor]
+
+
+@contextmanager
+def symbolic_shapes(enabled: bool = True) -> Iterator[None]:
+    """Run mmslab layers on their shape-generic path inside the ``with`` block."""
+    previous = _enabled[0]
+    _enabled[0] = enabled
+    try:
+        yield
+    finally:
+        _enabled[0] = previous
+
+
+def symbolic_shapes_enabled() -> bool:
+    return _enabled[0]
+
+
+def as_size(n: Size, device=None) -> Tensor:
+    """A size as a 0-d int64 tensor (traced sizes already are)."""
+    if isinstance(n, Tensor):
+        return n.to(torch.long)
+    return torch.tensor(n, dtype=torch.long, device=device)
+
+
+def ceil_div(n: Size, d: int) -> Size:
+    """``ceil(n / d)`` for ``n >= 0``."""
+    return (n + d - 1) // d

@@ -1,0 +1,130 @@
+"""Dynamic-size export: one graph, traced at one size, run at others.
+
+Each exported graph is compared with an independent eager model at sizes other than the
+traced one: mmslab's backbones against the *unfused* PyTorch model (training-form paths:
+cached layouts, index_put padding, unfold-ordered merging), mmdet's / mmseg's Swin against
+their own unpatched eager forward. Sizes cover portrait and landscape inputs, padded
+windows, odd patch merges, maps smaller than a window (SLA's cropped window) and a wide
+ADE20K-like aspect ratio.
+"""
+import numpy as np
+import pytest
+import torch
+
+import mmslab
+from conftest import randomize_weights
+from mmslab.deploy import export_onnx
+from mmslab.deploy.mmdet_swin import dynamic_mmdet_swin
+from mmslab.models.layers import symbolic_shapes
+from test_pvt_backbones import TINY as PVT_TINY
+from test_swin_backbones import PRESETS, build_preset
+
+ort = pytest.importorskip('onnxruntime')
+
+TRACE = (75, 106)
+SIZES = [(75, 106), (106, 75), (33, 130), (32, 32), (64, 256)]
+
+
+def run_onnx(path, x):
+    sess = ort.InferenceSession(path, providers=['CPUExecutionProvider'])
+    return sess.run(None, {'image': x.numpy()})
+
+
+def assert_close(ref, outs, tol=1e-4):
+    assert [o.shape for o in outs] == [r.shape for r in ref]
+    for r, o in zip(ref, outs):
+        assert np.abs(o - r).max() / np.abs(r).max() <= tol
+
+
+def build_pvt(type_):
+    from mmseg.registry import MODELS
+    return MODELS.build(dict(type=type_, **PVT_TINY, norm_cfg=dict(type='PRepBN', step=4)))
+
+
+@pytest.mark.parametrize('name', list(PRESETS) + ['PRepBNPVT', 'SLABPVT'])
+def test_dynamic_backbone_graph_matches_unfused_model_at_every_size(name, tmp_path):
+    torch.manual_seed(0)
+    model = build_pvt(name) if name.endswith('PVT') else build_preset(name)
+    model.init_weights()
+    randomize_weights(model)  # biases too: padded slots carry qkv's bias
+    inputs = [torch.randn(1, 3, *s) for s in SIZES]
+    with torch.no_grad():
+        refs = [[o.numpy() for o in model(x)] for x in inputs]
+    mmslab.reparameterize(model)
+    path = str(tmp_path / 'backbone.onnx')
+    export_onnx(model, 'backbone', TRACE, path, dynamic=True)
+    for x, ref in zip(inputs, refs):
+        assert_close(ref, run_onnx(path, x))
+
+
+@pytest.mark.parametrize('name', ['SLABSwin', 'BiNormSwin', 'PRepBNSwin'])
+def test_symbolic_eager_path_matches_unfused_model(name):
+    """The shape-generic path in eager mode (what tracing records) at every size, including
+    maps that fit in one window (SLA / BiNorm crop the window there, decided in the graph)."""
+    torch.manual_seed(0)
+    model = randomize_weights(build_preset(name))
+    inputs = [torch.randn(1, 3, *s) for s in SIZES + [(16, 24)]]
+    with torch.no_grad():
+        refs = [[o.numpy() for o in model(x)] for x in inputs]
+        mmslab.reparameterize(model)
+        with symbolic_shapes():
+            for x, ref in zip(inputs, refs):
+                assert_close(ref, [o.numpy() for o in model(x)], 1e-4)
+
+
+def mmdet_swin():
+    from mmdet.models.backbones import SwinTransformer
+    return SwinTransformer(embed_dims=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4),
+                           window_size=4, out_indices=(0, 1, 2, 3))
+
+
+def test_mmdet_swin_dynamic_forward_equals_mmdet(tmp_path):
+    """mmdet's own Swin: the shape-generic forwards give mmdet's numbers in eager mode, and
+    the dynamic graph gives them at every size."""
+    torch.manual_seed(0)
+    model = mmdet_swin()
+    randomize_weights(model)  # (mmdet's Swin.train() returns None: no chaining)
+    inputs = [torch.randn(1, 3, *s) for s in SIZES]
+    with torch.no_grad():
+        refs = [[o.numpy() for o in model(x)] for x in inputs]
+        with dynamic_mmdet_swin():
+            assert_close(refs[0], [o.numpy() for o in model(inputs[0])], 1e-5)
+    path = str(tmp_path / 'mmdet_swin.onnx')
+    export_onnx(model, 'backbone', TRACE, path, dynamic=True)
+    for x, ref in zip(inputs, refs):
+        assert_close(ref, run_onnx(path, x))
+
+
+def test_dynamic_upernet_logits_and_argmax(tmp_path):
+    """A whole segmentor (pyramid pooling bins computed from the runtime size) at square and
+    wide inputs; the argmax variant gives PyTorch's label map at the input size."""
+    from mmseg.registry import MODELS
+    from mmengine.registry import init_default_scope
+    init_default_scope('mmseg')
+    model = MODELS.build(dict(
+        type='EncoderDecoder',
+        data_preprocessor=dict(type='SegDataPreProcessor'),
+        backbone=dict(type='PRepBNSwin', embed_dims=16, depths=(1, 1, 1, 1),
+                      num_heads=(1, 2, 2, 4), window_size=4, norm_cfg=dict(type='PRepBN', step=4)),
+        decode_head=dict(type='UPerHead', in_channels=[16, 32, 64, 128], in_index=[0, 1, 2, 3],
+                         pool_scales=(1, 2, 3, 6), channels=16, num_classes=5,
+                         norm_cfg=dict(type='BN'), align_corners=False,
+                         loss_decode=dict(type='CrossEntropyLoss')),
+        test_cfg=dict(mode='whole')))
+    torch.manual_seed(0)
+    randomize_weights(model)
+    inputs = [torch.randn(1, 3, *s) for s in [(64, 64), (96, 384), (160, 96)]]
+    with torch.no_grad():
+        refs = [model._forward(x).numpy() for x in inputs]
+    mmslab.reparameterize(model)
+    logits = str(tmp_path / 'logits.onnx')
+    labels = str(tmp_path / 'labels.onnx')
+    export_onnx(model, 'model', (64, 64), logits, dynamic=True)
+    export_onnx(model, 'model', (64, 64), labels, dynamic=True, seg_argmax=True)
+    for x, ref in zip(inputs, refs):
+        assert_close([ref], run_onnx(logits, x))
+        full = torch.nn.functional.interpolate(torch.from_numpy(ref), size=x.shape[-2:],
+                                               mode='bilinear', align_corners=False)
+        label = run_onnx(labels, x)[0]
+        assert label.shape == (1, *x.shape[-2:])
+        assert (label == full.argmax(1).numpy()).mean() >= 0.999
