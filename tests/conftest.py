@@ -6,6 +6,7 @@ hidden state.
 import importlib.util
 import os.path as osp
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -100,3 +101,36 @@ def load_script(rel_path: str):
 def load_tool(name: str):
     """``tools/<name>.py`` as a module."""
     return load_script(f'tools/{name}.py')
+
+
+def make_photo_coco(root: str, classes) -> str:
+    """A COCO-format set of real photographs in ``root`` (``val2017/`` and
+    ``annotations/instances_val2017.json``): matplotlib's sample photograph (512x600,
+    portrait) and crops / transposes of it, landscape and panorama, with one annotation each
+    (so mmdet's CocoDataset and CocoMetric accept them). Returns ``root``."""
+    import json
+    import os
+
+    import cv2
+    import matplotlib
+    photo = cv2.imread(osp.join(matplotlib.get_data_path(), 'sample_data', 'grace_hopper.jpg'))
+    if photo is None:
+        raise FileNotFoundError("matplotlib's sample photograph grace_hopper.jpg is missing")
+    images = {'portrait.jpg': photo,                                   # 600 x 512 (h x w)
+              'landscape.jpg': np.ascontiguousarray(photo.transpose(1, 0, 2))[:380],  # 380 x 600
+              'panorama.jpg': photo[200:330]}                          # 130 x 512
+    os.makedirs(osp.join(root, 'val2017'), exist_ok=True)
+    os.makedirs(osp.join(root, 'annotations'), exist_ok=True)
+    coco = dict(images=[], annotations=[],
+                categories=[dict(id=i + 1, name=c) for i, c in enumerate(classes)])
+    for i, (name, image) in enumerate(images.items()):
+        cv2.imwrite(osp.join(root, 'val2017', name), image)
+        h, w = image.shape[:2]
+        coco['images'].append(dict(id=i + 1, file_name=name, height=h, width=w))
+        x, y, bw, bh = w // 4, h // 4, w // 2, h // 2
+        coco['annotations'].append(dict(
+            id=i + 1, image_id=i + 1, category_id=1, bbox=[x, y, bw, bh], area=bw * bh,
+            iscrowd=0, segmentation=[[x, y, x + bw, y, x + bw, y + bh, x, y + bh]]))
+    with open(osp.join(root, 'annotations', 'instances_val2017.json'), 'w') as f:
+        json.dump(coco, f)
+    return root

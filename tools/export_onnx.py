@@ -3,7 +3,7 @@
     python tools/export_onnx.py CONFIG CHECKPOINT --out DIR
         [--part model|features|backbone] [--no-dynamic --shape H W] [--seg-argmax]
         [--runtime onnxruntime openvino] [--int8] [--calib-images N] [--eval-images N]
-        [--threads N] [--cfg-options ...]
+        [--latency HxW [--repeat N]] [--threads N] [--cfg-options ...]
     python tools/export_onnx.py CONFIG --random-weights --out DIR ...   # no checkpoint
 
 By default the whole model (``--part model``) is exported with free height and width, so
@@ -48,7 +48,7 @@ from mmslab.deploy.export_info import (dataset_meta, deploy_pipeline, file_sha25
                                        model_config_sha256, runtime_versions, task_of)
 from mmslab.deploy.onnx_export import onnx_size_mb
 from mmslab.deploy.runtimes import pad_to_shape, preprocessed_images
-from mmslab.utils.launch import build_model_from_config
+from mmslab.utils.launch import build_model_from_config, load_config
 from mmslab.utils.machine import machine_info
 
 
@@ -76,6 +76,10 @@ def parse_args(argv=None):
                    help='INT8 calibration images (from the config\'s training set)')
     p.add_argument('--eval-images', type=int, default=4,
                    help='test-set images for the parity check and the INT8 deviation')
+    p.add_argument('--latency', metavar='HxW',
+                   help='also time, per image at this size, the fused model in eager PyTorch '
+                   "(its own predict) and every exported form (interleaved; JSON 'latency')")
+    p.add_argument('--repeat', type=int, default=5, help='timed calls per form (--latency)')
     p.add_argument('--threads', type=int, default=None, help='torch/runtime threads')
     p.add_argument('--cfg-options', nargs='+', action=DictAction)
     args = p.parse_args(argv)
@@ -141,13 +145,44 @@ def test_images(cfg, model, args, shape):
         images = [np.random.default_rng(i).standard_normal((1, 3, *shape)).astype(np.float32)
                   for i in range(args.eval_images)]
         source = 'random'
-    if args.dynamic:
-        images += [np.ascontiguousarray(im.transpose(0, 1, 3, 2)) for im in images[:2]]
+    if args.dynamic:  # other sizes and both orientations: a narrow crop and its transpose
+        first = images[0]
+        narrow = first[..., :max(32, first.shape[-1] // 64 * 32)]
+        images += [narrow, np.ascontiguousarray(narrow.transpose(0, 1, 3, 2)),
+                   np.ascontiguousarray(first.transpose(0, 1, 3, 2))]
     return images, source
 
 
-def size_key(image) -> str:
-    return 'x'.join(map(str, image.shape[-2:]))
+def measure_latency(model, part, args) -> dict:
+    """Median ms per image at ``--latency`` of the fused eager model (mmdet's / mmseg's own
+    ``predict`` for part ``model``) and of each exported form, interleaved."""
+    from mmslab.benchmark import (fake_batch, make_runners, measure_interleaved, parse_shape,
+                                  summarize)
+    shape = parse_shape(args.latency)
+    inputs, _ = fake_batch(model, shape)  # padded to 32, as the data preprocessor does
+    if not args.dynamic and list(inputs.shape[-2:]) != list(args.shape or []):
+        raise SystemExit(f'error: --latency {args.latency} needs a dynamic export or '
+                         f'--shape {inputs.shape[-2]} {inputs.shape[-1]}')
+    image = inputs.numpy()
+    eager = make_runners(model, shape, 'model' if part == 'model' else 'backbone') \
+        if part != 'features' else (lambda: model.extract_feat(inputs))
+    fns = {'eager fp32': eager}
+    for runtime in args.runtime:
+        for int8 in ([False, True] if args.int8 else [False]):
+            m = load_runtime_model(args.out, runtime, int8, args.threads or 0)
+            fns[f"{runtime} {'int8' if int8 else 'fp32'}"] = lambda m=m: m(image)
+    bar = ProgressBar(len(fns) * args.repeat)
+    times = measure_interleaved(fns, args.repeat, 1, bar.update)
+    print()
+    out = dict(shape=args.latency, input=list(inputs.shape[-2:]), repeat=args.repeat,
+               median_ms={k: summarize(v)['median_ms'] for k, v in times.items()})
+    for k, ms in out['median_ms'].items():
+        print(f'latency {args.latency} {k:18s} {ms:9.1f} ms')
+    return out
+
+
+def size_key(image, index: int) -> str:
+    return f"{index}: {'x'.join(map(str, image.shape[-2:]))}"
 
 
 def main(argv=None):
@@ -169,7 +204,10 @@ def main(argv=None):
                         seg_argmax=args.seg_argmax)
     export_s = time.perf_counter() - t0
     task = task_of(model)
-    report = dict(config=args.config, model_config_sha256=model_config_sha256(cfg),
+    # (digest of the config as written: building a model mutates some of its sections)
+    report = dict(config=args.config,
+                  model_config_sha256=model_config_sha256(
+                      load_config(args.config, args.cfg_options)[0]),
                   checkpoint=args.checkpoint, random_weights=bool(args.random_weights),
                   checkpoint_sha256=file_sha256(args.checkpoint) if args.checkpoint else None,
                   part=part, task=task, outputs=names, shape=list(shape),
@@ -202,7 +240,8 @@ def main(argv=None):
                               artifact_path(args.out, 'openvino', True), calib)
 
     images, source = test_images(cfg, model, args, shape)
-    report['parity_images'] = dict(source=source, sizes=[size_key(im) for im in images])
+    report['parity_images'] = dict(source=source,
+                                   sizes=['x'.join(map(str, im.shape[-2:])) for im in images])
     refs = [torch_outputs(model, part, torch.from_numpy(im), args.seg_argmax) for im in images]
     bar = ProgressBar(len(args.runtime) * (1 + bool(args.int8)))
     failures = []
@@ -210,24 +249,27 @@ def main(argv=None):
         entry = report['runtimes'].setdefault(runtime, {})
         fp32 = load_runtime_model(args.out, runtime, False, args.threads or 0)
         entry['fp32'] = {}
-        for im, ref in zip(images, refs):
+        for i, (im, ref) in enumerate(zip(images, refs)):
             record = compare_outputs(names, ref, fp32(im))
-            entry['fp32'][size_key(im)] = record
+            entry['fp32'][size_key(im, i)] = record
             if not within_fp32_tolerance(record):
-                failures.append(f'{runtime} fp32 at {size_key(im)}: {record}')
+                failures.append(f'{runtime} fp32 on image {size_key(im, i)}: {record}')
         bar.update()
         if args.int8:
             int8 = load_runtime_model(args.out, runtime, True, args.threads or 0)
-            entry['int8_on_test_images'] = {size_key(im): compare_outputs(names, ref, int8(im))
-                                            for im, ref in zip(images, refs)}
+            entry['int8_on_test_images'] = {
+                size_key(im, i): compare_outputs(names, ref, int8(im))
+                for i, (im, ref) in enumerate(zip(images, refs))}
             bar.update()
     print()
+    if args.latency:
+        report['latency'] = measure_latency(model, part, args)
     with open(osp.join(args.out, 'export.json'), 'w') as f:
         json.dump(report, f, indent=2)
     for runtime, entry in report['runtimes'].items():
         for precision in ('fp32', 'int8_on_test_images'):
             for size, record in entry.get(precision, {}).items():
-                print(f'{runtime:12s} {precision[:4]} {size:>10s} ' +
+                print(f'{runtime:12s} {precision[:4]} {size:>14s} ' +
                       ', '.join(f'{k} {v:.4g}' for k, v in record.items()))
     print(f"wrote {onnx_path} ({report['onnx_mb']:.1f} MB) and {osp.join(args.out, 'export.json')}")
     if failures:

@@ -69,6 +69,7 @@ def main(argv=None):
         print(f"           ({full['machine']['cpu']}, {full['threads']} threads, median of "
               f"{full['repeat']} interleaved runs, trained weights; the baseline has random "
               'weights)')
+    summary['deployed'] = deployed_rows(args.work_dir)
     pred_png = osp.join(args.work_dir, 'predictions', 'predictions.png')
     if osp.exists(pred_png):
         summary['predictions'] = pred_png
@@ -84,6 +85,33 @@ def main(argv=None):
         print(f"predictions of the fused model: {summary['predictions']}")
     print('=' * 72)
     return summary
+
+
+def deployed_rows(work_dir):
+    """The whole exported model (``tools/export_onnx.py --latency``, ``export/export.json``)
+    next to eager PyTorch, and the deployed model's metrics (``tools/test.py --backend``,
+    ``deployed_*/metrics.json``); printed, returned for the summary."""
+    rows = {}
+    export_json = osp.join(work_dir, 'export', 'export.json')
+    if osp.exists(export_json):
+        with open(export_json) as f:
+            latency = json.load(f).get('latency')
+        if latency:
+            ms = latency['median_ms']
+            eager = ms.get('eager fp32')
+            line = ', '.join(f"{k} {v:.0f} ms" + (f' ({eager / v:.2f}x)' if eager and k !=
+                                                   'eager fp32' else '')
+                             for k, v in ms.items())
+            print(f"deployed   whole model {latency['shape']}: {line}")
+            rows['latency'] = latency
+    for path in sorted(glob.glob(osp.join(work_dir, 'deployed_*', 'metrics.json'))):
+        with open(path) as f:
+            metrics = json.load(f)
+        name = osp.basename(osp.dirname(path))[len('deployed_'):]
+        keys = [k for k in ('coco/bbox_mAP', 'coco/segm_mAP', 'mIoU') if k in metrics]
+        print(f'deployed   {name:18s} ' + ', '.join(f'{k} {metrics[k]:.3f}' for k in keys))
+        rows[name] = {k: metrics[k] for k in keys}
+    return rows
 
 
 def full_size_rows(report):

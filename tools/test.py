@@ -8,7 +8,7 @@
 The config's ``default_scope`` ('mmdet' or 'mmseg') selects the codebase. ``--out`` is a pickle
 file of raw detections (mmdet) or a directory of predicted label maps (mmseg). The metrics are
 logged as usual and, on the main process, printed as one JSON line starting with
-``mmslab-test-metrics:``. Multi-process testing: ``tools/dist_test.sh CONFIG CKPT NPROC [args]``.
+``mmslab-test-metrics:`` and written to ``WORK_DIR/metrics.json``. Multi-process testing: ``tools/dist_test.sh CONFIG CKPT NPROC [args]``.
 
 ``--backend onnxruntime|openvino --export-dir DIR``: the model that ``tools/export_onnx.py
 CONFIG CHECKPOINT --out DIR`` exported runs in that runtime (``--int8``: its INT8 artifact).
@@ -254,6 +254,8 @@ def main(argv=None):
         line = dict(metrics or {})
         line.update(backend=args.backend, int8=bool(args.int8))
         print(METRICS_PREFIX + json.dumps(line, default=_jsonable), flush=True)
+        with open(osp.join(cfg.work_dir, 'metrics.json'), 'w') as f:
+            json.dump(line, f, indent=2, default=_jsonable)
     teardown_cpu_distributed(own_group)
     return metrics
 

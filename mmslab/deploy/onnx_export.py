@@ -51,6 +51,15 @@ def traced_pooling_matrix(size: Tensor, out: int, dtype: torch.dtype) -> Tensor:
     return inside / (end - start).to(dtype)
 
 
+class PoolingProduct(nn.Module):
+    """``P_h @ x @ P_w^T``; a module of its own so that exported node names carry
+    ``pool_product`` (quantizers are told to leave it in float: its matrices are activations
+    in a dynamic graph, and NNCF could not give the pyramid-pooling Concat one scale)."""
+
+    def forward(self, ph: Tensor, x: Tensor, pw: Tensor) -> Tensor:
+        return ph @ x @ pw.t()  # [oh, h] @ [B, C, h, w] @ [w, ow]
+
+
 class ExportableAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
     """``nn.AdaptiveAvgPool2d`` that exports for any output size.
 
@@ -60,6 +69,10 @@ class ExportableAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
     ``P_h @ x @ P_w^T`` with bin matrices: constants in a static export, computed from the
     runtime size in a dynamic one. Eager calls are unchanged.
     """
+
+    def __init__(self, output_size):
+        super().__init__(output_size)
+        self.pool_product = PoolingProduct()
 
     def forward(self, x: Tensor) -> Tensor:
         if not (torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()):
@@ -78,7 +91,7 @@ class ExportableAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
             oh, ow = oh or h, ow or w  # None keeps that size
             ph = pooling_matrix(h, oh).to(x)
             pw = pooling_matrix(w, ow).to(x)
-        return ph @ x @ pw.t()  # [oh, h] @ [B, C, h, w] @ [w, ow]
+        return self.pool_product(ph, x, pw)
 
 
 def make_exportable(model: nn.Module) -> nn.Module:
@@ -145,17 +158,19 @@ class ExportWrapper(nn.Module):
             # attribute of its own that is None)
             self.model = model.backbone if (is_detector or is_segmentor) else model
         elif part == 'model' and is_detector:
-            from .end2end import DetectorEnd2End
+            from .end2end import DetectorEnd2End, end2end_output_names
             self.model = DetectorEnd2End(model)
+            self._names = end2end_output_names(model)
         elif part == 'model':
             self.model = SegmentorEnd2End(model, seg_argmax)
+            self._names = self.model.output_names()
         else:
             self.model = model
         self.part = part
 
     def output_names(self, num_outputs: int) -> List[str]:
         if self.part == 'model':
-            return self.model.output_names()
+            return list(self._names)
         return [f'out{i}' for i in range(num_outputs)]
 
     def forward(self, image: Tensor) -> Tuple[Tensor, ...]:
