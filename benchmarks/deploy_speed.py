@@ -222,7 +222,8 @@ def targets(res: dict, runtimes, kind: str) -> list:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--shapes', nargs='+', default=['512x512', '800x1344'])
+    p.add_argument('--shapes', nargs='*', default=['512x512', '800x1344'],
+                   help='backbone cases (none: whole-model cases only)')
     p.add_argument('--models', nargs='+', default=list(MODELS), choices=MODELS,
                    help='backbones / Mask R-CNN backbones to compare')
     p.add_argument('--runtimes', nargs='+', default=list(RUNTIMES), choices=RUNTIMES)

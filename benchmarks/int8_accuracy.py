@@ -4,10 +4,10 @@
 
 For each demo config (default: SLAB-Swin-T, PRepBN-Swin-T, RePa-Swin-T and the LayerNorm
 Swin-T baseline, all with the same heads, data and schedule) it trains the model with
-tools/train.py unless ``work_dirs/<config>/last_checkpoint`` exists, exports backbone + neck
-with tools/export_onnx.py (``--int8``: onnxruntime static QDQ and NNCF, calibrated on
-``--calib-images`` training images), and evaluates bbox / segm mAP on the demo validation set
-with tools/test.py in every form. Does the BatchNorm-only model quantize better, as the SLAB
+tools/train.py unless ``work_dirs/<config>/last_checkpoint`` exists, exports the whole
+detector with tools/export_onnx.py (free input size; ``--int8``: onnxruntime static QDQ and
+NNCF, calibrated on ``--calib-images`` training images), and evaluates bbox / segm mAP on the
+demo validation set with tools/test.py in every form (the runtimes run the whole model). Does the BatchNorm-only model quantize better, as the SLAB
 paper suggests? Prints the table, writes ``int8_accuracy.json`` and ``.png``.
 """
 import argparse
@@ -72,7 +72,6 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--configs', nargs='+', default=DEFAULT_CONFIGS)
     p.add_argument('--calib-images', type=int, default=16)
-    p.add_argument('--shape', nargs=2, type=int, default=[256, 256])
     p.add_argument('--train-iters', type=int, default=None,
                    help='train the models that need training for this many iterations '
                    '(default: the config\'s 200), with the PRepBN schedule and the lr steps '
@@ -94,8 +93,7 @@ def main(argv=None):
         export_dir = osp.join(args.out, name)
         print(f'{name}: exporting and quantizing', flush=True)
         run([osp.join('tools', 'export_onnx.py'), config, ckpt, '--out', export_dir,
-             '--shape', *map(str, args.shape), '--part', 'features', '--int8',
-             '--calib-images', str(args.calib_images)], log)
+             '--int8', '--calib-images', str(args.calib_images)], log)
         results[name] = {}
         for form, extra in FORMS:
             out = run([osp.join('tools', 'test.py'), config, ckpt, '--export-dir', export_dir,
@@ -109,7 +107,8 @@ def main(argv=None):
                   flush=True)
     print_table(results)
     with open(osp.join(args.out, 'int8_accuracy.json'), 'w') as f:
-        json.dump(dict(calib_images=args.calib_images, shape=args.shape, results=results), f,
+        json.dump(dict(calib_images=args.calib_images, part='model', dynamic=True,
+                       results=results), f,
                   indent=2)
     plot(results, osp.join(args.out, 'int8_accuracy.png'))
     return results

@@ -227,9 +227,10 @@ def roi_features(extractor: SingleRoIExtractor, feats: Sequence[Tensor], boxes: 
 
 
 def dense_scores(head: nn.Module, cls_score: Tensor) -> Tensor:
-    """``(H * W * A, num_classes)`` class probabilities of one level's ``(A * C, H, W)``
-    logits of an anchor head, as its ``_predict_by_feat_single``."""
-    logits = cls_score.permute(1, 2, 0).reshape(-1, head.cls_out_channels)
+    """``(H * W * A, num_classes)`` class probabilities of one level's ``(1, A * C, H, W)``
+    logits of an anchor head, as its ``_predict_by_feat_single``. (4-D permute: NNCF's INT8
+    transformation lost the rank of a ``cls_score[0]`` Gather feeding a 3-D Transpose.)"""
+    logits = cls_score.permute(0, 2, 3, 1).reshape(-1, head.cls_out_channels)
     return logits.sigmoid() if head.use_sigmoid_cls else logits.softmax(-1)[:, :-1]
 
 
@@ -289,7 +290,7 @@ class DetectorEnd2End(nn.Module):
         mlvl_scores, mlvl_priors, mlvl_deltas, mlvl_groups = [], [], [], []
         for level, (cls_score, bbox_pred) in enumerate(zip(cls_scores, bbox_preds)):
             # flat index = anchor * num_classes + class, anchors ordered (y, x, base anchor)
-            scores, inds = topk_upto(dense_scores(head, cls_score[0]).reshape(-1),
+            scores, inds = topk_upto(dense_scores(head, cls_score).reshape(-1),
                                      cfg.get('nms_pre', -1))
             if not is_rpn:
                 keep = (scores > cfg.get('score_thr', 0)).nonzero()[:, 0]
@@ -300,7 +301,7 @@ class DetectorEnd2End(nn.Module):
                                    cls_score)
             mlvl_scores.append(scores)
             mlvl_priors.append(anchors[anchor_inds])
-            mlvl_deltas.append(bbox_pred[0].permute(1, 2, 0).reshape(-1, 4)[anchor_inds])
+            mlvl_deltas.append(bbox_pred.permute(0, 2, 3, 1).reshape(-1, 4)[anchor_inds])
             mlvl_groups.append(torch.full_like(inds, level) if is_rpn else inds % num_classes)
         scores = torch.cat(mlvl_scores)
         groups = torch.cat(mlvl_groups)
