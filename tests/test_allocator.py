@@ -33,8 +33,12 @@ def released_mb(mode):
 def test_keep_mode_keeps_freed_tensor_memory():
     if not allocator_info()['allocator'].startswith('glibc'):
         pytest.skip('mallopt is glibc only')
-    assert released_mb('default') == ('default', 24)  # glibc returns the block to the OS
-    assert released_mb('keep') == ('keep', 0)
+    # default: glibc unmaps the block, so RSS drops by about its size (other allocations of
+    # the interpreter may move a few MiB either way); keep: nearly nothing is returned.
+    mode, released = released_mb('default')
+    assert mode == 'default' and 20 <= released <= 28, released
+    mode, released = released_mb('keep')
+    assert mode == 'keep' and released <= 4, released
 
 
 def test_unknown_mode_is_an_error():

@@ -21,7 +21,7 @@ from conftest import explicit_shifted_window_attention, randomize_weights, rel_e
 from mmslab.models import (PRepBNPVT, PRepBNSwin, RePaSwin, ReparamPVT, ReparamSwinTransformer,
                            SLABPVT, SLABSwin)
 from mmslab.models.converters import convert, detect_format
-from test_converters import PVT, SWIN, load_converted
+from layouts import PVT, SWIN, load_converted
 
 
 # ------------------------------------------------------------------------------------------

@@ -26,7 +26,9 @@ def check(model, x, expect_folded):
         ref = flat(model(x, mode='tensor'))
         mmslab.reparameterize(model)
         out = flat(model(x, mode='tensor'))
+    assert len(out) == len(ref) and ref
     for r, o in zip(ref, out):
+        assert r.shape == o.shape
         assert ((r - o).abs().max() / r.abs().max().clamp_min(1e-6)) <= 1e-4
     folded = [i for i in range(4) if isinstance(getattr(model.backbone, f'norm{i}', None),
                                                  nn.Identity)]

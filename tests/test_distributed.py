@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from test_tools_e2e import (TOOLS, demo_data, free_port, run_tool,  # noqa: F401
-                            tiny_prepbn_swin_config, write_config)
+from tool_runs import (TOOLS, demo_data, free_port, run_tool,  # noqa: F401
+                       tiny_prepbn_swin_config, write_config)
 
 BODY_STEP, OUT_STEP = 2, 6
 

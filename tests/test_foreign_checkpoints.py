@@ -23,8 +23,7 @@ import pytest
 import torch
 
 from conftest import load_tool, randomize_weights
-from test_converters import SWIN, assert_same_outputs, outputs, slab_swin, \
-    to_authors_swin
+from layouts import SWIN, assert_same_outputs, outputs, slab_swin, to_authors_swin
 
 import mmslab.engine  # noqa: F401  (installs the local-path loader in mmengine)
 import mmslab.engine.checkpoint as safe
@@ -73,7 +72,7 @@ class Payload:
 
 
 @pytest.fixture
-def authors_module(tmp_path):
+def authors_module(tmp_path, monkeypatch):
     """A fresh ``authors_<id>`` module with ``CfgNode``, ``touch`` and ``Payload``; importable
     while the test runs (so an import by the loader would be seen), markers in ``markers``."""
     markers = tmp_path / 'markers'
@@ -82,13 +81,12 @@ def authors_module(tmp_path):
     src = tmp_path / 'modules'
     src.mkdir()
     (src / f'{name}.py').write_text(STUB.format(markers=str(markers)))
-    sys.path.insert(0, str(src))
+    monkeypatch.syspath_prepend(str(src))  # undone after the test
     try:
         module = importlib.import_module(name)
         module.markers = markers
         yield module
     finally:
-        sys.path.remove(str(src))
         sys.modules.pop(name, None)
 
 

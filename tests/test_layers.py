@@ -192,6 +192,15 @@ def test_build_norm_validates():
         build_norm('LN', 8)
 
 
+def test_build_layernorm_keys():
+    ln = build_norm(dict(type='LN', eps=1e-6, requires_grad=False), 8)
+    assert ln.eps == 1e-6 and not any(p.requires_grad for p in ln.parameters())
+    assert build_norm(dict(type='LN', elementwise_affine=False), 8).weight is None
+    with pytest.raises(ValueError, match=r"valid: \['elementwise_affine', 'eps', "
+                                         r"'requires_grad'\]"):
+        build_norm(dict(type='LN', momentum=0.1), 8)
+
+
 @pytest.mark.parametrize('dtype,tol', [(torch.float64, 1e-6), (torch.float32, 1e-4)])
 @pytest.mark.parametrize('idle_ratio', [0.0, 0.75, 1.0])
 def test_channel_idle_ffn_fold_is_exact(dtype, tol, idle_ratio):

@@ -14,8 +14,7 @@ from conftest import randomize_weights
 from mmslab.deploy import export_onnx
 from mmslab.deploy.onnx_export import make_exportable
 from mmslab.deploy.runtimes import weight_layers
-from test_swin_backbones import PRESETS, build_preset
-from test_pvt_backbones import TINY as PVT_TINY
+from presets import PRESETS, PVT_TINY, build_preset
 
 ort = pytest.importorskip('onnxruntime')
 onnx = pytest.importorskip('onnx')

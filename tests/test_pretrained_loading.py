@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import randomize_weights
-from test_converters import PVT, to_authors_pvt
+from layouts import PVT, to_authors_pvt
 
 from mmslab.models import SLABPVT
 from mmslab.models.checkpoint_utils import load_pretrained_backbone

@@ -4,11 +4,9 @@ import torch
 
 import mmslab
 from conftest import randomize_bn_statistics, rel_err
+from presets import PVT_TINY as TINY  # also imported from here by test_dynamic_export
 from mmslab.engine.hooks import set_progressive_iter
 from mmslab.models import ReparamPVT, statistic_modules
-
-TINY = dict(embed_dims=8, num_layers=(1, 1, 2, 1), num_heads=(1, 2, 2, 4),
-            mlp_ratios=(2, 2, 2, 2), pretrain_img_size=64, drop_path_rate=0.0)
 
 
 def test_layernorm_pvt_equals_mmdet_pvt():

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from test_configs import CONFIG_DIR, load, registry, tiny_backbone_cfg
+from config_helpers import CONFIG_DIR, load, registry, tiny_backbone_cfg
 from conftest import randomize_weights
-from test_converters import to_authors_swin
+from layouts import to_authors_swin
 
 from mmslab.engine.hooks import progressive_ratio, set_progressive_iter
 from mmslab.models.layers.repbn import PRepBN

@@ -5,19 +5,13 @@ import torch.nn as nn
 
 import mmslab
 from conftest import randomize_bn_statistics, rel_err
+# re-exported: test_onnx_backbones and test_dynamic_export import PRESETS, build_preset here
+from presets import PRESETS, build_preset  # noqa: F401
+from presets import SWIN_TINY as TINY
+from presets import build_swin as build
 from mmslab.engine.hooks import set_progressive_iter
 from mmslab.models import ReparamSwinTransformer, statistic_modules
 from mmslab.models.layers import FoldableNorm
-
-TINY = dict(embed_dims=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), window_size=4,
-            drop_path_rate=0.0)
-
-
-def build(type_, **kwargs):
-    from mmdet.registry import MODELS
-    cfg = dict(type=type_, **TINY)
-    cfg.update(kwargs)
-    return MODELS.build(cfg)
 
 
 def test_vanilla_config_equals_mmdet_swin():
@@ -55,25 +49,6 @@ def test_mmdet_swin_weights_load_into_each_preset_with_layernorm(type_):
     with torch.no_grad():
         for ra, rb in zip(ref(x), ours(x)):
             assert rel_err(rb, ra) <= 1e-5
-
-
-PRESETS = {
-    'PRepBNSwin': dict(norm_cfg=dict(type='PRepBN', step=4)),
-    'SLABSwin': dict(norm_cfg=dict(type='PRepBN', step=4), window_size=(8, 4, 2, 2)),
-    'RePaSwin': dict(),
-    'RePaSwinPRepBN': dict(norm_cfg=dict(type='PRepBN', step=4)),
-    'UNSwin': dict(norm_cfg=dict(type='UN', warmup_iters=1, window_size=2)),
-    'BiNormSwin': dict(norm_cfg=dict(type='RepBN'), attn_types=('binorm', 'binorm', 'window',
-                                                                'window')),
-}
-PRESET_TYPE = {'RePaSwinPRepBN': 'RePaSwin', 'UNSwin': 'ReparamSwinTransformer',
-               'BiNormSwin': 'ReparamSwinTransformer'}
-
-
-def build_preset(name, **extra):
-    kwargs = dict(PRESETS[name])
-    kwargs.update(extra)
-    return build(PRESET_TYPE.get(name, name), **kwargs)
 
 
 @pytest.mark.parametrize('name', list(PRESETS))

@@ -1,5 +1,5 @@
 # Runtime for mmdet (COCO) configs. The custom hooks (ReparamEvalHook, ProgressiveNormHook)
-# come with the backbone base, see reparam_eval_hook.py.
+# come with the backbone base, see reparam_eval.py.
 _base_ = ['./default_runtime.py']
 default_scope = 'mmdet'
 

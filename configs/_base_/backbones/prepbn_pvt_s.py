@@ -2,7 +2,7 @@
 # the top-level config. drop_path_rate 0.1 as mmdet's PVT configs.
 # Weights: SLAB release pvt_s_prepbn (80.1% top-1),
 #   https://github.com/xinghaochen/SLAB/releases/download/ckpts/pvt_small_prepbn.pth
-_base_ = ['../reparam_eval_hook.py']  # custom_hooks
+_base_ = ['../reparam_eval.py']  # custom_hooks
 backbone = dict(
     type='PRepBNPVT',
     arch='small',

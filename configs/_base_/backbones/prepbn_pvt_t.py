@@ -3,7 +3,7 @@
 # top-level config. drop_path_rate 0.1 as mmdet's PVT configs (PVT-v1 used 0.1 at every size).
 # Weights: SLAB release pvt_t_prepbn (76.0% top-1),
 #   https://github.com/xinghaochen/SLAB/releases/download/ckpts/pvt_tiny_prepbn.pth
-_base_ = ['../reparam_eval_hook.py']  # custom_hooks
+_base_ = ['../reparam_eval.py']  # custom_hooks
 backbone = dict(
     type='PRepBNPVT',
     arch='tiny',

@@ -3,7 +3,7 @@
 # Weights: no public SLAB release for PRepBN-Swin-S (their table lists Swin-T PRepBN and
 # SLAB-Swin-S only): train it with the authors' classification recipe
 # (classification/cfgs/swin_t_prepbn.yaml scaled to Swin-S) and save it here.
-_base_ = ['../reparam_eval_hook.py']  # custom_hooks
+_base_ = ['../reparam_eval.py']  # custom_hooks
 backbone = dict(
     type='PRepBNSwin',
     arch='small',  # embed 96, depths (2, 2, 18, 2), heads (3, 6, 12, 24)

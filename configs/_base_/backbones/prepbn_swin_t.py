@@ -3,7 +3,7 @@
 # the top-level config from its schedule (`prepbn_step`).
 # Weights: SLAB release swin_t_prepbn (81.4% top-1),
 #   https://github.com/xinghaochen/SLAB/releases/download/ckpts/swin_tiny_prepbn.pth
-_base_ = ['../reparam_eval_hook.py']  # custom_hooks
+_base_ = ['../reparam_eval.py']  # custom_hooks
 backbone = dict(
     type='PRepBNSwin',
     arch='tiny',

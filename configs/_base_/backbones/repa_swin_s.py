@@ -5,7 +5,7 @@
 # Weights: no public release (the RePaViT README says weights "will be released soon"): train
 # RePaSwin-S with the authors' code (--channel_idle --idle_ratio=0.75) and convert it to
 # mmslab names (docs/checkpoint_formats.md).
-_base_ = ['../reparam_eval_hook.py']  # custom_hooks
+_base_ = ['../reparam_eval.py']  # custom_hooks
 backbone = dict(
     type='RePaSwin',
     arch='small',

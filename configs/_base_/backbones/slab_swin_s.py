@@ -1,7 +1,7 @@
 # SLAB-Swin-S: as SLAB-Swin-T with Swin-S depths. `step` comes from the top-level config.
 # Weights: SLAB release slab_swin_s (83.6% top-1),
 #   https://github.com/xinghaochen/SLAB/releases/download/ckpts/slab_swin_small.pth
-_base_ = ['../reparam_eval_hook.py']  # custom_hooks
+_base_ = ['../reparam_eval.py']  # custom_hooks
 backbone = dict(
     type='SLABSwin',
     arch='small',

@@ -4,7 +4,7 @@
 # the top-level config (`prepbn_step`).
 # Weights: SLAB release slab_swin_t (81.8% top-1),
 #   https://github.com/xinghaochen/SLAB/releases/download/ckpts/slab_swin_tiny.pth
-_base_ = ['../reparam_eval_hook.py']  # custom_hooks
+_base_ = ['../reparam_eval.py']  # custom_hooks
 backbone = dict(
     type='SLABSwin',
     arch='tiny',

@@ -10,7 +10,7 @@
 # Swin-T with UN on ImageNet-1k, or start from the official Swin-T
 # (swin_tiny_patch4_window7_224.pth, converted): LN weight/bias load into UN's affine and the
 # running variance is estimated during warm-up.
-_base_ = ['../reparam_eval_hook.py']  # custom_hooks
+_base_ = ['../reparam_eval.py']  # custom_hooks
 backbone = dict(
     type='ReparamSwinTransformer',
     arch='tiny',

@@ -12,8 +12,12 @@ from ..layers.unified_norm import UN
 
 BN_STATS = ('train', 'frozen')
 
-#: The norm of the SLAB presets (PRepBN-*, SLAB-*): progressive PRepBN over the SLAB authors'
-#: ImageNet decay length. Detection and segmentation configs set their own ``step``.
+#: The default ``norm_cfg`` of the SLAB presets (PRepBN-*, SLAB-*): progressive PRepBN over the
+#: SLAB authors' ImageNet decay length, 300k iterations. A registered model name builds the
+#: published model with its published settings, as mmdet's ``SwinTransformer()`` is Swin-T;
+#: the authors' converted checkpoints carry a finished schedule, so ``step`` only drives norms
+#: that start fresh. A fine-tuning config passes ``norm_cfg=dict(type='PRepBN', step=...)``
+#: from its own schedule, as every shipped config does (``prepbn_step``).
 SLAB_NORM_CFG = dict(type='PRepBN', step=SLAB_PREPBN_STEPS)
 
 

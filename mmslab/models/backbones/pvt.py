@@ -1,8 +1,9 @@
 """PVT v1 with pluggable normalization and attention (PRepBN-PVT, SLAB-PVT).
 
-With LayerNorm and spatial-reduction softmax attention it is mmdet's
-``PyramidVisionTransformer`` (same parameter names, same outputs). Attention runs on
-``scaled_dot_product_attention`` instead of ``nn.MultiheadAttention``.
+With LayerNorm and spatial-reduction softmax attention it computes what mmdet's
+``PyramidVisionTransformer`` computes (same parameter names, same outputs; keyword arguments
+as listed in :class:`ReparamPVT`). Attention runs on ``scaled_dot_product_attention`` instead
+of ``nn.MultiheadAttention``.
 """
 import copy
 import math
@@ -37,10 +38,12 @@ class MHAProjections(nn.Module):
     """Holds ``in_proj_weight``/``in_proj_bias``/``out_proj`` under ``nn.MultiheadAttention``'s
     names (so mmdet PVT weights load) without its slow generic forward."""
 
-    def __init__(self, embed_dims: int, bias: bool = True):
+    def __init__(self, embed_dims: int, bias: bool = True, in_proj_bias: Optional[bool] = None):
         super().__init__()
+        # A folded norm gives the input projection a bias, never the output projection.
+        in_proj_bias = bias if in_proj_bias is None else in_proj_bias
         self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dims, embed_dims))
-        self.in_proj_bias = nn.Parameter(torch.zeros(3 * embed_dims)) if bias else None
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * embed_dims)) if in_proj_bias else None
         self.out_proj = nn.Linear(embed_dims, embed_dims, bias=bias)
         nn.init.xavier_uniform_(self.in_proj_weight)
 
@@ -70,7 +73,10 @@ class SpatialReductionAttention(Reparameterizable, PVTAttention):
     into the k/v rows of the input projection.
     """
 
-    needs_eval_mode = False  # the PVTBlock that holds it refuses training mode
+    @property
+    def needs_eval_mode(self) -> bool:
+        # the reduced map's norm folds with its running statistics
+        return self.sr_ratio > 1 and isinstance(self.norm, FoldableNorm)
 
     def __init__(self, embed_dims: int, num_heads: int, sr_ratio: int = 1,
                  grid: Optional[Tuple[int, int]] = None, qkv_bias: bool = True,
@@ -81,10 +87,11 @@ class SpatialReductionAttention(Reparameterizable, PVTAttention):
         self.attn_drop = attn_drop
         self.deploy = deploy
         norm_cfg = norm_cfg or dict(type='LN', eps=1e-6)
-        self.attn = MHAProjections(embed_dims, bias=qkv_bias or deploy)
+        # Folding a norm (the block's norm1, or the reduced map's) gives in_proj a bias.
+        fold = deploy and is_foldable_norm(norm_cfg)
+        self.attn = MHAProjections(embed_dims, bias=qkv_bias, in_proj_bias=qkv_bias or fold)
         if sr_ratio > 1:
             self.sr = nn.Conv2d(embed_dims, embed_dims, sr_ratio, stride=sr_ratio)
-            fold = deploy and is_foldable_norm(norm_cfg)
             self.norm = nn.Identity() if fold else build_norm(norm_cfg, embed_dims, deploy=deploy)
         self.proj_drop = nn.Dropout(proj_drop)
 
@@ -136,15 +143,18 @@ class SpatialReductionAttention(Reparameterizable, PVTAttention):
 
 
 @register_model()
-class GlobalSLA(PVTAttention):
+class GlobalSLA(Reparameterizable, PVTAttention):
     """SLA over the whole feature map (no spatial reduction), for SLAB-PVT stages.
 
     The positional encoding is learned for the pre-training ``grid`` and bilinearly resized to
     the input's grid whenever the two differ (smaller or larger, like PVT's absolute position
     embedding). ``sr_ratio`` and ``attn_drop`` do not apply (no reduction, no softmax; the
     SLAB authors' SLA-PVT stages ignore them too); ``norm_cfg`` tells whether the block's norm
-    is folded into ``qkv`` in deploy form (which then has a bias).
+    is folded into ``qkv`` in deploy form (which then has a bias). That fold is the
+    :class:`PVTBlock`'s; the switch of this module has nothing of its own to fuse.
     """
+
+    needs_eval_mode = False
 
     def __init__(self, embed_dims: int, num_heads: int, sr_ratio: int = 1,
                  grid: Optional[Tuple[int, int]] = None, qkv_bias: bool = True,
@@ -162,6 +172,9 @@ class GlobalSLA(PVTAttention):
 
     def absorb_input_affine(self, scale: Tensor, shift: Tensor) -> None:
         self.kernel.qkv = fold_affine_into_next_linear(self.kernel.qkv, scale, shift)
+
+    def _switch_to_deploy(self) -> None:
+        self.kernel.switch_to_deploy()
 
 
 class MixFFN(nn.Module):
@@ -187,7 +200,13 @@ class MixFFN(nn.Module):
 
 
 class PVTBlock(Reparameterizable, nn.Module):
-    """``x + DropPath(attn(norm1(x)))``, ``x + DropPath(ffn(norm2(x)))``."""
+    """``x + DropPath(attn(norm1(x)))``, ``x + DropPath(ffn(norm2(x)))``.
+
+    ``norm1`` is the pre-norm of the attention, ``norm2`` the pre-norm of the FFN (mmdet's
+    names). Inside a PRepBN pre-norm ``norm1`` is its LayerNorm branch and ``norm2`` its RepBN
+    branch (``norm1.norm2.bn``: the attention pre-norm's BN). Deploy folds ``norm1`` into the
+    attention's input projections and ``norm2`` into the FFN's first conv.
+    """
 
     def __init__(self, embed_dims: int, num_heads: int, feedforward_channels: int,
                  sr_ratio: int, attn_type: str, grid: Tuple[int, int], qkv_bias: bool,
@@ -244,9 +263,13 @@ class ReparamPVT(ReparamBackboneMixin, BaseModule):
     """PVT v1 with pluggable norm (``norm_cfg``) and per-stage attention (``'softmax'``
     spatial-reduction attention or ``'sla'`` global simplified linear attention, sr=1).
 
-    Arguments mean what they mean in mmdet's ``PyramidVisionTransformer``; ``arch`` picks
-    ``tiny``/``small``/``medium`` depths. ``bn_stats`` and ``deploy`` as in
-    :class:`ReparamSwinTransformer`. Returns a tuple of NCHW maps (strides 4, 8, 16, 32).
+    Keyword arguments mean what they mean in mmdet's ``PyramidVisionTransformer``, except that
+    ``arch`` (``tiny``/``small``/``medium`` depths) comes first (mmdet's first positional
+    argument is ``pretrain_img_size``: pass arguments by keyword), the number of stages is
+    ``len(num_layers)`` (no ``num_stages``), and ``paddings`` / ``use_conv_ffn`` are not
+    accepted (PVT v1: no padding, no convolutional FFN); ``convert_weights`` is ignored.
+    ``bn_stats`` and ``deploy`` as in :class:`ReparamSwinTransformer`. Returns a tuple of NCHW
+    maps (strides 4, 8, 16, 32).
     """
 
     arch_zoo = {
@@ -351,7 +374,11 @@ class ReparamPVT(ReparamBackboneMixin, BaseModule):
 
 @register_model()
 class PRepBNPVT(BackbonePreset, ReparamPVT):
-    """PVT v1 with every LayerNorm replaced by progressive PRepBN (SLAB)."""
+    """PVT v1 with every LayerNorm replaced by progressive PRepBN (SLAB).
+
+    Default ``norm_cfg``: ``dict(type='PRepBN', step=300000)``, the authors' ImageNet decay
+    (``base.SLAB_NORM_CFG``); fine-tuning configs pass their own ``step``.
+    """
 
     preset = dict(norm_cfg=SLAB_NORM_CFG)
 
@@ -359,6 +386,10 @@ class PRepBNPVT(BackbonePreset, ReparamPVT):
 @register_model()
 class SLABPVT(BackbonePreset, ReparamPVT):
     """SLAB-PVT: PRepBN everywhere and global SLA (no spatial reduction) in all four stages,
-    as in the SLAB authors' released SLAB-PVT models (their ``ATTN_TYPE: LLLL``)."""
+    as in the SLAB authors' released SLAB-PVT models (their ``ATTN_TYPE: LLLL``).
+
+    Default ``norm_cfg``: ``dict(type='PRepBN', step=300000)``, the authors' ImageNet decay
+    (``base.SLAB_NORM_CFG``); fine-tuning configs pass their own ``step``.
+    """
 
     preset = dict(norm_cfg=SLAB_NORM_CFG, attn_types=('sla', ) * 4)

@@ -1,7 +1,9 @@
 """One configurable Swin Transformer with pluggable norm, attention and FFN.
 
-With LayerNorm, window attention and the MLP it is mmdet's ``SwinTransformer`` (same argument
-names, same parameter names, same outputs); PRepBN-Swin, SLAB-Swin and RePa-Swin are presets.
+With LayerNorm, window attention and the MLP it computes what mmdet's ``SwinTransformer``
+computes (same parameter names, same outputs; mmdet's keyword arguments mean the same, with
+the differences listed in :class:`ReparamSwinTransformer`); PRepBN-Swin, SLAB-Swin and
+RePa-Swin are presets.
 """
 import copy
 from typing import Optional, Sequence, Tuple
@@ -32,6 +34,13 @@ class SwinBlock(Reparameterizable, nn.Module):
     (``'channel_idle'``, RePaFormer) carries its own BatchNorms and residual, so there is no
     ``norm2``. In deploy form ``norm1`` lives in the attention's qkv and ``norm2`` in the FFN's
     fc1.
+
+    Names (kept from mmdet's and the authors' checkpoints, so keys nest): ``norm1`` is the
+    pre-norm of the attention, ``norm2`` the pre-norm of the FFN. Inside a PRepBN pre-norm,
+    ``norm1`` is its LayerNorm branch and ``norm2`` its RepBN branch, so
+    ``blocks.0.norm1.norm2.bn.running_mean`` is the BN statistic of the attention pre-norm's
+    RepBN branch; inside the channel-idle FFN (``ffn.norm1``, ``ffn.norm2``) they are its two
+    BatchNorms.
 
     Shape: ``[B, H*W, C]`` -> ``[B, H*W, C]``.
     """
@@ -91,7 +100,10 @@ class SwinBlock(Reparameterizable, nn.Module):
 
 
 class SwinStage(nn.Module):
-    """Blocks of one stage (shift on odd blocks), then optional patch merging."""
+    """Blocks of one stage (shift on odd blocks), then optional patch merging.
+
+    ``deploy`` is handed to the blocks and the patch merging; the stage has nothing of its
+    own to fuse, so it has no switch (``deploy_children`` reaches its children)."""
 
     def __init__(self, depth: int, downsample_channels: Optional[int], block_kwargs: dict,
                  drop_path_rates: Sequence[float], norm_cfg: dict, deploy: bool = False):
@@ -115,7 +127,10 @@ class SwinStage(nn.Module):
 class ReparamSwinTransformer(ReparamBackboneMixin, BaseModule):
     """Swin Transformer with pluggable normalization, attention and FFN per stage.
 
-    Arguments mean what they mean in mmdet's ``SwinTransformer``; in addition:
+    Keyword arguments mean what they mean in mmdet's ``SwinTransformer``, except that
+    ``arch`` comes first (mmdet's first positional argument is ``pretrain_img_size``: pass
+    arguments by keyword), ``use_abs_pos_embed=True`` raises (no Swin detector uses it), and
+    ``pretrain_img_size`` / ``convert_weights`` are accepted and ignored. In addition:
 
     Args:
         arch: ``'tiny'``, ``'small'`` or ``'base'``: defaults for ``embed_dims``, ``depths``
@@ -310,7 +325,11 @@ class ReparamSwinTransformer(ReparamBackboneMixin, BaseModule):
 
 @register_model()
 class PRepBNSwin(BackbonePreset, ReparamSwinTransformer):
-    """Swin with every LayerNorm replaced by progressive PRepBN (the SLAB detection setting)."""
+    """Swin with every LayerNorm replaced by progressive PRepBN (the SLAB detection setting).
+
+    Default ``norm_cfg``: ``dict(type='PRepBN', step=300000)``, the authors' ImageNet decay
+    (``base.SLAB_NORM_CFG``); fine-tuning configs pass their own ``step``.
+    """
 
     preset = dict(norm_cfg=SLAB_NORM_CFG)
 
@@ -318,7 +337,11 @@ class PRepBNSwin(BackbonePreset, ReparamSwinTransformer):
 @register_model()
 class SLABSwin(BackbonePreset, ReparamSwinTransformer):
     """SLAB-Swin: PRepBN everywhere, SLA in stages 1-2 (windows 56 and 28, shifted on odd
-    blocks), shifted-window softmax attention in stages 3-4 (window 7)."""
+    blocks), shifted-window softmax attention in stages 3-4 (window 7).
+
+    Default ``norm_cfg``: ``dict(type='PRepBN', step=300000)``, the authors' ImageNet decay
+    (``base.SLAB_NORM_CFG``); fine-tuning configs pass their own ``step``.
+    """
 
     preset = dict(norm_cfg=SLAB_NORM_CFG, window_size=(56, 28, 7, 7),
                   attn_types=('sla', 'sla', 'window', 'window'))

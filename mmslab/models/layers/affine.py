@@ -32,7 +32,8 @@ class FoldableNorm(Reparameterizable, nn.Module):
     """Base class of normalizations that are a per-channel affine at inference.
 
     Subclasses implement ``forward_train`` (the training-time computation, also used in eval
-    mode before deployment) and ``fused_affine`` (the eval-mode ``(scale, shift)``), and list
+    mode before deployment) and ``_fused_affine`` (the eval-mode ``(scale, shift)``, which the
+    public ``fused_affine`` returns before deployment), and list
     the sub-modules/parameters/buffers to drop in ``_stat_attrs``. ``switch_to_deploy`` turns
     the module into the affine form in place; ``deploy=True`` builds that form directly so a
     fused checkpoint loads.

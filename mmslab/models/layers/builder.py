@@ -92,7 +92,8 @@ def build_norm(cfg: dict, num_features: int, data_format: str = 'channels_last',
                deploy: bool = False, what: str = 'norm_cfg') -> nn.Module:
     """Build a normalization over the channel axis from ``cfg`` (``dict(type=..., **args)``).
 
-    ``LN`` is ``nn.LayerNorm`` (channels-last only, unchanged by deploy); every other type is a
+    ``LN`` is ``nn.LayerNorm`` (channels-last only, unchanged by deploy; keys ``eps``,
+    ``elementwise_affine`` and, as in mmcv, ``requires_grad``); every other type is a
     :class:`~mmslab.models.layers.affine.FoldableNorm` whose ``deploy=True`` form is a
     per-channel affine.
     """
@@ -104,9 +105,14 @@ def build_norm(cfg: dict, num_features: int, data_format: str = 'channels_last',
             raise ValueError('LN normalizes channels-last tokens only')
         unknown = set(cfg) - _LN_KEYS
         if unknown:
-            raise ValueError(f'unknown {what} keys for LN: {sorted(unknown)}; valid: eps')
-        cfg.pop('requires_grad', None)
-        return cls(num_features, **cfg)
+            raise ValueError(f'unknown {what} keys for LN: {sorted(unknown)}; valid: '
+                             f'{sorted(_LN_KEYS)}')
+        # mmcv's meaning: requires_grad=False freezes the affine parameters
+        requires_grad = cfg.pop('requires_grad', True)
+        norm = cls(num_features, **cfg)
+        for p in norm.parameters():
+            p.requires_grad = requires_grad
+        return norm
     try:
         return cls(num_features, data_format=data_format, deploy=deploy, **cfg)
     except TypeError as err:

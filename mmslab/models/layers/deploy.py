@@ -1,7 +1,12 @@
 """The structural re-parameterization protocol every fusable mmslab module follows.
 
 A fusable module has two forms with the same constructor: the training form and, with
-``deploy=True``, the fused form whose state dict a fused checkpoint holds. As in mmpretrain's
+``deploy=True``, the fused form whose state dict a fused checkpoint holds (exactly the keys,
+shapes and outputs ``switch_to_deploy()`` makes of a trained module; enforced for every
+registered module and backbone by ``tests/test_deploy_protocol.py``). Every mmslab module
+whose constructor takes ``deploy`` has the switch, a no-op where nothing of its own changes
+(SLA, BiNorm, GlobalSLA), except the containers that only hand ``deploy`` on
+(``ShiftWindowAttention``, ``SwinStage``). As in mmpretrain's
 RepVGG/MobileOne, the *computation* of the fused weights is separate from the *swap*:
 
 * a pure method (``fused_affine()``, ``fused_weights()``, ...) returns tensors and changes

@@ -59,7 +59,7 @@ class ChannelIdleFFN(Reparameterizable, BlockFFN):
     Training form: ``x + DropPath(fc2(BN2(idle_act(fc1(BN1(x))))))`` where ``idle_act`` applies
     the activation to the first ``k = ceil(hidden * (1 - idle_ratio))`` hidden channels only
     and passes the rest linearly. Everything outside the activation is linear, so at
-    inference it folds into three linears (seed 004, eqs. 4-7)::
+    inference it folds into three linears (RePaFormer, eqs. 4-7)::
 
         out = skip(x) + fc2(act(fc1(x)))
         skip = (W2'[:, k:] W1'[k:] + I) x + (W2'[:, k:] b1'[k:] + b2')   # C x C, bias
@@ -67,8 +67,11 @@ class ChannelIdleFFN(Reparameterizable, BlockFFN):
         fc2  = W2'[:, :k]                                                # k -> C, no bias
 
     with ``W1', b1'`` fc1 with BN1 folded in and ``W2', b2'`` fc2 with BN2 folded in.
-    Names of the training form follow the RePaViT checkpoints (``norm1``, ``fc1``, ``norm2``,
-    ``fc2``; BN are ``nn.BatchNorm1d`` over the channel axis of the tokens).
+    Names of the training form follow the RePaViT checkpoints: ``norm1`` is BN1, the
+    BatchNorm of the FFN's input (in place of the block's pre-norm), ``norm2`` is BN2, the
+    BatchNorm of the hidden channels, both ``nn.BatchNorm1d`` over the channel axis of the
+    tokens; ``fc1``, ``fc2`` the two linears. In a Swin block the keys read
+    ``blocks.0.ffn.norm1.running_mean``: not the block's ``norm1``.
 
     Shape: ``[..., C]`` -> ``[..., C]``.
     """

@@ -2,6 +2,10 @@
 
 Both compute ``K^T V`` first, so time and memory grow linearly with the tokens per window,
 and both exclude padded tokens exactly (padding never changes the valid tokens' outputs).
+
+Neither has anything of its own to fuse: ``deploy`` only matters to the block, which folds
+its norm into ``qkv`` (giving it a bias). Their ``switch_to_deploy()`` is therefore a no-op
+that any mode allows, kept so that every module taking ``deploy`` has the switch.
 """
 from typing import Optional, Tuple
 
@@ -12,6 +16,7 @@ from mmengine.model.weight_init import trunc_normal_
 from torch import Tensor
 
 from mmslab.registry import register_model
+from .deploy import Reparameterizable
 from .symbolic import symbolic_shapes_enabled
 from .window_attention import WindowKernelBase
 
@@ -23,7 +28,7 @@ def _split_heads(t: Tensor, num_heads: int) -> Tensor:
 
 
 @register_model()
-class SLA(WindowKernelBase):
+class SLA(Reparameterizable, WindowKernelBase):
     """Simplified linear attention (SLAB, eq. 9) inside windows.
 
     Per head ``O_i = relu(q_i) S / (relu(q_i) z + 1e-6) + DWC(V)_i`` with
@@ -43,6 +48,7 @@ class SLA(WindowKernelBase):
 
     uses_shift_mask = False
     masks_padding = True
+    needs_eval_mode = False
     eps = 1e-6
 
     def __init__(self, embed_dims: int, num_heads: int, window_size, qkv_bias: bool = True,
@@ -59,6 +65,9 @@ class SLA(WindowKernelBase):
 
     def init_weights(self) -> None:
         trunc_normal_(self.positional_encoding, std=0.02)
+
+    def _switch_to_deploy(self) -> None:
+        pass  # structure-free (see the module docstring)
 
     def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
                shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
@@ -112,7 +121,7 @@ class SLA(WindowKernelBase):
 
 
 @register_model()
-class BiNormAttention(WindowKernelBase):
+class BiNormAttention(Reparameterizable, WindowKernelBase):
     """BiNorm attention (ViBid, eq. 5) inside windows.
 
     Per head ``O = L2norm_channels(Q) @ L2norm_keychannels(K^T V)``: ``K^T V`` first (linear
@@ -121,6 +130,7 @@ class BiNormAttention(WindowKernelBase):
 
     uses_shift_mask = False
     masks_padding = True
+    needs_eval_mode = False
     eps = 1e-12
 
     def __init__(self, embed_dims: int, num_heads: int, window_size, qkv_bias: bool = True,
@@ -128,6 +138,9 @@ class BiNormAttention(WindowKernelBase):
         _reject_unused(kwargs, 'BiNormAttention')
         super().__init__(embed_dims, num_heads, window_size, qkv_bias, proj_drop)
         self.deploy = deploy
+
+    def _switch_to_deploy(self) -> None:
+        pass  # structure-free (see the module docstring)
 
     def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
                shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,

@@ -72,7 +72,9 @@ class PRepBN(FoldableNorm):
     extra forward calls never move it. Training without anything driving the schedule raises
     instead of silently training with a frozen ``g``. Eval mode is pure RepBN, as in the paper.
 
-    Sub-module names follow the authors' files: ``norm1`` (LayerNorm), ``norm2`` (RepBN).
+    Sub-module names follow the authors' files: ``norm1`` is the LayerNorm branch, ``norm2``
+    the RepBN branch (not a block's two pre-norms, which are also called ``norm1``/``norm2``:
+    ``blocks.0.norm1.norm2.bn`` is the BN of the RepBN branch of a block's first pre-norm).
 
     Shape: ``[..., C]`` channels-last, or ``[B, C, *]`` with ``data_format='channels_first'``.
     """

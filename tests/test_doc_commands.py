@@ -1,0 +1,74 @@
+"""Commands in the documentation's code blocks name scripts and flags that exist.
+
+Every fenced code block of README.md, docs/*.md and configs/README.md is read; a command that
+runs a ``tools/`` or ``benchmarks/`` script must name an existing file, and every ``--flag``
+after it (up to a comment or the next command) must be one its parser accepts, read from the
+script's ``--help``. A shell wrapper's flags are checked against the Python scripts it runs
+(``dist_train.sh`` hands them to ``train.py``).
+"""
+import functools
+import glob
+import os
+import os.path as osp
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+DOCS = sorted(['README.md', 'configs/README.md'] +
+              [osp.relpath(p, REPO) for p in glob.glob(osp.join(REPO, 'docs', '*.md'))])
+SCRIPT = re.compile(r'(?:^|[\s/])((?:tools|benchmarks)/[\w.-]+\.(?:py|sh))')
+FLAG = re.compile(r'(?<![\w-])(--[a-zA-Z][\w-]*)')
+
+
+def commands(text):
+    """``(script, flags)`` for each scripted command of the code blocks of Markdown ``text``."""
+    for block in re.findall(r'^```[^\n]*\n(.*?)^```', text, re.S | re.M):
+        for line in block.replace('\\\n', ' ').splitlines():
+            line = line.split(' #', 1)[0]
+            for command in re.split(r'&&|\|\||;|\|', line):
+                match = SCRIPT.search(command)
+                if match:
+                    yield match.group(1), FLAG.findall(command[match.end():])
+
+
+@functools.lru_cache(maxsize=None)
+def accepted_flags(script):
+    """The long options of a script: its ``--help`` (Python) or those of the Python scripts a
+    shell wrapper runs."""
+    path = osp.join(REPO, script)
+    if script.endswith('.sh'):
+        flags = set()
+        for name in sorted(set(re.findall(r'\b(\w+)\.py\b', open(path).read()))):
+            py = osp.join(osp.dirname(script), f'{name}.py')
+            if osp.isfile(osp.join(REPO, py)):
+                flags |= accepted_flags(py)
+        return frozenset(flags)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, path, '--help'], cwd=REPO, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode == 0, f'{script} --help failed:\n{proc.stdout[-2000:]}'
+    return frozenset(FLAG.findall(proc.stdout))
+
+
+@pytest.mark.parametrize('doc', DOCS)
+def test_documented_commands_exist(doc):
+    problems = []
+    for script, flags in commands(open(osp.join(REPO, doc)).read()):
+        if not osp.isfile(osp.join(REPO, script)):
+            problems.append(f'{script}: no such script')
+            continue
+        unknown = sorted(set(flags) - accepted_flags(script) - {'--help'})
+        if unknown:
+            problems.append(f'{script}: unknown flags {unknown}')
+    assert not problems, f'{doc}: ' + '; '.join(problems)
+
+
+def test_commands_are_found_with_their_flags():
+    text = ('Text `tools/x.py --no`.\n```bash\npython tools/test.py CFG CKPT --latency \\\n'
+            '    --out x  # --comment\nbash tools/dist_train.sh C 2 --amp && ls --all\n```\n')
+    assert list(commands(text)) == [('tools/test.py', ['--latency', '--out']),
+                                    ('tools/dist_train.sh', ['--amp'])]
