@@ -41,8 +41,8 @@ def parse_args(argv=None):
     p.add_argument('--baseline', nargs='*', default=[], help='baseline configs, timed as is')
     p.add_argument('--baseline-backbone', nargs='*', default=[], choices=sorted(BASELINES),
                    help="the config's own model with its backbone replaced by mmdet's / "
-                   "mmseg's (LayerNorm) backbone of that name, same neck and heads, random "
-                   "weights")
+                   "mmseg's (LayerNorm) backbone of that name, or by mmslab's LayerNorm "
+                   "control (ln_swin_t, fused), same neck and heads, random weights")
     p.add_argument('--parts', nargs='+', default=['backbone', 'model'],
                    choices=['backbone', 'model'])
     p.add_argument('--compile', action='store_true',
@@ -62,7 +62,13 @@ BASELINES = {
     'swin_t': dict(type='SwinTransformer', embed_dims=96, depths=[2, 2, 6, 2],
                    num_heads=[3, 6, 12, 24], window_size=7, drop_path_rate=0.0),
     'pvt_t': dict(type='PyramidVisionTransformer', num_layers=[2, 2, 2, 2]),
+    # the control: mmslab's own LayerNorm Swin-T, fused like the methods (window handling of
+    # mmslab without the methods' norm / FFN changes: what the method alone buys)
+    'ln_swin_t': dict(type='ReparamSwinTransformer', arch='tiny', norm_cfg=dict(type='LN'),
+                      drop_path_rate=0.0),
 }
+#: Baselines built by mmslab, timed fused (mmdet's / mmseg's are timed as they are).
+MMSLAB_BASELINES = ('ln_swin_t', )
 
 
 def baseline_backbone(config: str, name: str) -> dict:
@@ -96,8 +102,12 @@ def main(argv=None):
     for base in args.baseline:
         variants[osp.splitext(osp.basename(base))[0]] = build_model(base)
     for base in args.baseline_backbone:
-        variants[f'{name} with {base} backbone (LN)'] = build_model(
-            args.config, None, args.cfg_options, backbone=baseline_backbone(args.config, base))
+        baseline = build_model(args.config, None, args.cfg_options,
+                               backbone=baseline_backbone(args.config, base))
+        if base in MMSLAB_BASELINES:
+            variants[f'{name} with {base} backbone (LN control, fused)'] = fused_copy(baseline)
+        else:
+            variants[f'{name} with {base} backbone (LN)'] = baseline
     compiled = None
     if args.compile:
         compiled = torch.compile(variants[f'{name} (fused)'].backbone)

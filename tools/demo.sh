@@ -16,10 +16,11 @@ START=$(date +%s)
 "$PY" tools/train.py "$CONFIG" --work-dir "$WORK" "$@"
 CKPT="$(cat "$WORK/last_checkpoint")"
 # At the demo's 256x256 the heads dominate; time the trained model also at the real test size
-# of the 1x / 160k configs, fused vs unfused vs the same model with mmdet's LayerNorm Swin-T.
+# of the 1x / 160k configs, fused vs unfused vs the same model with mmdet's LayerNorm Swin-T and
+# with mmslab's own LayerNorm Swin-T (the control: what the method alone buys).
 if [ "${DEMO_KIND:-coco}" = coco ]; then FULL_SHAPE=800x1333; else FULL_SHAPE=512x512; fi
 "$PY" tools/benchmark.py "$CONFIG" --checkpoint "$CKPT" --shapes "$FULL_SHAPE" \
-    --parts backbone model --baseline-backbone swin_t --repeat 5 --warmup 1 \
+    --parts backbone model --baseline-backbone swin_t ln_swin_t --repeat 5 --warmup 1 \
     --out "$WORK/full_size_speed"
 # The deployed form: the whole fused model exported (free input size), INT8 for both
 # runtimes, timed at the full test size next to eager PyTorch, and evaluated in OpenVINO INT8.

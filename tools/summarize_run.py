@@ -63,8 +63,11 @@ def main(argv=None):
             line = (f"{row['part']:8s} {row['shape']}: fused {row['fused_ms']:.0f} ms, "
                     f"unfused {row['unfused_ms']:.0f} ms ({row['unfused_ms'] / row['fused_ms']:.2f}x)")
             if row.get('baseline_ms'):
-                line += (f", LayerNorm Swin-T {row['baseline_ms']:.0f} ms "
+                line += (f", mmdet Swin-T {row['baseline_ms']:.0f} ms "
                          f"({row['baseline_ms'] / row['fused_ms']:.2f}x)")
+            if row.get('control_ms'):
+                line += (f", LN control {row['control_ms']:.0f} ms "
+                         f"({row['control_ms'] / row['fused_ms']:.2f}x)")
             print(f'full size  {line}')
         print(f"           ({full['machine']['cpu']}, {full['threads']} threads, median of "
               f"{full['repeat']} interleaved runs, trained weights; the baseline has random "
@@ -126,6 +129,8 @@ def full_size_rows(report):
             row['unfused_ms'] = r['median_ms']
         elif 'backbone (LN)' in r['variant']:
             row['baseline_ms'] = r['median_ms']
+        elif '(LN control' in r['variant']:
+            row['control_ms'] = r['median_ms']
     return [r for r in rows.values() if 'fused_ms' in r and 'unfused_ms' in r]
 
 
@@ -149,10 +154,10 @@ def plot(train, evals, latency, path, full_size=None):
             axes[1].set_title('inference latency, demo images')
         if full_size:
             series = [('fused', 'fused_ms'), ('unfused', 'unfused_ms'),
-                      ('LayerNorm Swin-T', 'baseline_ms')]
+                      ('mmdet Swin-T', 'baseline_ms'), ('LN control', 'control_ms')]
             grouped_bars(axes[2], [f"{r['part']}\n{r['shape']}" for r in full_size],
                          {name: [r.get(key, 0.0) for r in full_size] for name, key in series},
-                         color=['tab:green', 'tab:gray', 'tab:blue'])
+                         color=['tab:green', 'tab:gray', 'tab:blue', 'tab:orange'])
             axes[2].set_ylabel('median ms per image')
             axes[2].set_title('latency at the full test size')
             axes[2].legend(fontsize=8)
