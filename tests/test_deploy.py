@@ -392,3 +392,48 @@ def test_export_errors(tiny, tmp_path, capsys):
     msg = exit_message(capsys, tool.parse_args, [det['config'], str(tmp_path / 'none.pth'),
                                                  '--out', str(tmp_path / 'e')])
     assert 'not found' in msg
+
+
+def test_retinanet_whole_model_through_the_tools(demo_data, tmp_path):
+    """RetinaNet (a tiny PRepBN Swin, random weights) exported whole with the defaults and
+    evaluated through tools/test.py in onnxruntime: PyTorch's detections."""
+    from mmengine.config import ConfigDict
+    from mmengine.runner import save_checkpoint
+    from mmslab.datasets import COCO_DEMO_CLASSES
+    from mmslab.utils.launch import build_model_from_config
+    from conftest import randomize_weights
+    cfg = tiny_prepbn_swin_config('det', demo_data['det'], tmp_path / 'work_dir')
+    cfg['model'] = dict(
+        type='RetinaNet', data_preprocessor=cfg['model']['data_preprocessor'],
+        backbone=dict(cfg['model']['backbone'], out_indices=(1, 2, 3)),
+        neck=dict(type='FPN', in_channels=[32, 64, 128], out_channels=16, start_level=0,
+                  add_extra_convs='on_input', num_outs=5),
+        bbox_head=dict(
+            type='RetinaHead', num_classes=len(COCO_DEMO_CLASSES), in_channels=16,
+            stacked_convs=1, feat_channels=16,
+            anchor_generator=dict(type='AnchorGenerator', octave_base_scale=4,
+                                  scales_per_octave=3, ratios=[0.5, 1.0, 2.0],
+                                  strides=[8, 16, 32, 64, 128]),
+            bbox_coder=dict(type='DeltaXYWHBBoxCoder', target_means=[0.0] * 4,
+                            target_stds=[1.0] * 4),
+            loss_cls=dict(type='FocalLoss', use_sigmoid=True, gamma=2.0, alpha=0.25),
+            loss_bbox=dict(type='L1Loss')),
+        test_cfg=dict(nms_pre=1000, min_bbox_size=0, score_thr=0.3,
+                      nms=dict(type='nms', iou_threshold=0.5), max_per_img=50))
+    for key in ('val_evaluator', 'test_evaluator'):
+        cfg[key] = dict(cfg[key], metric='bbox')
+    config = write_config(tmp_path / 'tiny_retinanet.py', cfg)
+    _, model = build_model_from_config(config)
+    randomize_weights(model)
+    ckpt = str(tmp_path / 'retinanet.pth')
+    save_checkpoint(model.state_dict(), ckpt)
+    report, _ = export(config, str(tmp_path / 'export'), '--runtime', 'onnxruntime',
+                       checkpoint=ckpt, cwd=tmp_path)
+    assert report['task'] == 'detection' and report['outputs'] == ['dets', 'labels']
+    assert_parity(report, ('onnxruntime', ))
+    run = dict(config=config, checkpoint=ckpt)
+    _, _, ref_out = _test(run, tmp_path, 'pytorch')
+    _, output, got_out = _test(run, tmp_path, 'ort', '--backend', 'onnxruntime',
+                               '--export-dir', str(tmp_path / 'export'))
+    assert "part 'model' runs in onnxruntime" in output
+    assert_same_detections(ref_out, got_out)
