@@ -49,7 +49,9 @@ from mmslab.utils.machine import machine_info, machine_line
 from mmslab.utils.plotting import grouped_bars, saved_figure
 
 MODELS = ('mmdet Swin-T', 'LN Swin-T', 'PRepBN-Swin-T', 'SLAB-Swin-T', 'RePa-Swin-T')
-RUNTIMES = ('eager', 'ort fp32', 'ort int8', 'ov fp32', 'ov int8')
+RUNTIMES = ('eager', 'eager bf16', 'ort fp32', 'ort int8', 'ov fp32', 'ov bf16', 'ov int8')
+#: What runs unless --runtimes says otherwise (bf16 forms need a CPU with bf16 units).
+DEFAULT_RUNTIMES = ('eager', 'ort fp32', 'ort int8', 'ov fp32', 'ov int8')
 BASELINE = 'mmdet Swin-T'
 CONTROL = 'LN Swin-T'  # mmslab's own LayerNorm Swin-T
 MMDET_MASK_RCNN = 'swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'  # in mmdet's package
@@ -136,19 +138,30 @@ def deploy_forms(model, part, shape, runtimes, workdir, threads, calib_images,
     """{runtime: callable(image)} for one model and input shape."""
     os.makedirs(workdir, exist_ok=True)
     onnx_path = osp.join(workdir, 'model.onnx')
-    needs_onnx = any(r != 'eager' for r in runtimes)
+    needs_onnx = any(not r.startswith('eager') for r in runtimes)
     if needs_onnx:
         export_onnx(model, part, shape, onnx_path, dynamic=dynamic)
     calib = [np.random.RandomState(i).randn(1, 3, *shape).astype(np.float32)
              for i in range(calib_images)]
     forms = {}
     x = torch.randn(1, 3, *shape)
-    if 'eager' in runtimes:
+    if 'eager' in runtimes or 'eager bf16' in runtimes:
         if part == 'model' and not hasattr(model, 'decode_head'):
-            forms['eager'] = eager_detector(model, x)
+            eager = eager_detector(model, x)
         else:
             module = model._forward if part == 'model' else model
-            forms['eager'] = lambda: module(x)
+            eager = lambda: module(x)  # noqa: E731
+        if 'eager' in runtimes:
+            forms['eager'] = eager
+        if 'eager bf16' in runtimes:
+            from mmslab.utils.machine import require_bf16
+            require_bf16('eager bf16')
+
+            def eager_bf16():
+                with torch.autocast('cpu', dtype=torch.bfloat16):
+                    return eager()
+
+            forms['eager bf16'] = eager_bf16
     image = x.numpy()
     if 'ort fp32' in runtimes:
         m = OnnxRuntimeModel(onnx_path, threads)
@@ -157,11 +170,14 @@ def deploy_forms(model, part, shape, runtimes, workdir, threads, calib_images,
         q = quantize_onnxruntime(onnx_path, osp.join(workdir, 'model_int8.onnx'), calib)
         m = OnnxRuntimeModel(q, threads)
         forms['ort int8'] = lambda m=m: m(image)
-    if 'ov fp32' in runtimes or 'ov int8' in runtimes:
+    if any(r.startswith('ov ') for r in runtimes):
         xml = convert_to_openvino(onnx_path, osp.join(workdir, 'openvino'))
         if 'ov fp32' in runtimes:
             m = OpenVINOModel(xml, threads)
             forms['ov fp32'] = lambda m=m: m(image)
+        if 'ov bf16' in runtimes:
+            m = OpenVINOModel(xml, threads, bf16=True)
+            forms['ov bf16'] = lambda m=m: m(image)
         if 'ov int8' in runtimes:
             q = quantize_openvino(xml, osp.join(workdir, 'openvino', 'model_int8.xml'), calib)
             m = OpenVINOModel(q, threads)
@@ -208,6 +224,10 @@ def targets(res: dict, runtimes, kind: str) -> list:
         t, rt = min(best)
         add(f'mmdet Swin-T eager / RePa-Swin-T best INT8 ({rt})', res[(BASELINE, 'eager')] / t,
             3.0)
+    bf16 = [(res[(repa, rt)], rt) for rt in ('eager bf16', 'ov bf16') if (repa, rt) in res]
+    if bf16 and (repa, 'ov int8') in res:  # on AMX: best bf16 within 1.2x of OpenVINO INT8
+        t, rt = min(bf16)
+        add(f'RePa-Swin-T ov int8 / best bf16 ({rt})', res[(repa, 'ov int8')] / t, 1 / 1.2)
     for model in ('PRepBN-Swin-T', 'SLAB-Swin-T'):
         for rt in runtimes:
             add(f'mmdet Swin-T / {model}, {rt}', ratio((BASELINE, rt), (model, rt)), 1.0)
@@ -226,7 +246,9 @@ def main(argv=None):
                    help='backbone cases (none: whole-model cases only)')
     p.add_argument('--models', nargs='+', default=list(MODELS), choices=MODELS,
                    help='backbones / Mask R-CNN backbones to compare')
-    p.add_argument('--runtimes', nargs='+', default=list(RUNTIMES), choices=RUNTIMES)
+    p.add_argument('--runtimes', nargs='+', default=list(DEFAULT_RUNTIMES), choices=RUNTIMES,
+                   help='bf16 forms: eager torch.autocast, OpenVINO INFERENCE_PRECISION_HINT '
+                   '(refused on CPUs without avx512_bf16 / amx_bf16)')
     p.add_argument('--repeat', type=int, default=3)
     p.add_argument('--warmup', type=int, default=1)
     p.add_argument('--threads', type=int, default=2)
@@ -251,7 +273,7 @@ def main(argv=None):
     print(f'\nmachine: {machine_line(report["machine"])}')
     for c in report['targets']:
         verdict = '' if c['target'] is None else \
-            f" (target >= {c['target']:.1f}: {'met' if c['met'] else 'NOT met'})"
+            f" (target >= {c['target']:.2f}: {'met' if c['met'] else 'NOT met'})"
         print(f"  {c['kind']:8s} {c['shape']:9s} {c['what']:58s} {c['ratio']:.2f}x{verdict}")
     plot(report, osp.join(args.out, 'deploy_speed.png'))
     print(f"wrote {osp.join(args.out, 'deploy_speed.json')} and deploy_speed.png")
@@ -311,12 +333,12 @@ def measure_case(args, tmp, shape_text: str, kind: str, rows: list) -> dict:
     for name, (model, part) in builds.items():
         for dynamic in modes:
             runtimes = args.runtimes if dynamic == modes[0] else \
-                [r for r in args.runtimes if r != 'eager']
+                [r for r in args.runtimes if not r.startswith('eager')]
             forms = deploy_forms(model, part, shape, runtimes,
                                  osp.join(tmp, f'{kind}_{shape_text}_{len(fns)}'),
                                  args.threads, args.calib_images, dynamic)
             for rt, fn in forms.items():
-                fns[(name, rt if rt == 'eager' else rt + report_mode[dynamic])] = fn
+                fns[(name, rt if rt.startswith('eager') else rt + report_mode[dynamic])] = fn
     bar = ProgressBar(len(fns) * args.repeat)
     keyed = {f'{n} | {r}': f for (n, r), f in fns.items()}
     times = measure_interleaved(keyed, args.repeat, args.warmup, bar.update)

@@ -339,7 +339,7 @@ def test_backend_refuses_other_checkpoints_and_random_exports(exported, tmp_path
     msg = exit_message(capsys, tool.parse_args, args + ['--backend', 'onnxruntime'])
     assert '--backend onnxruntime needs --export-dir' in msg
     msg = exit_message(capsys, tool.parse_args, args + ['--int8'])
-    assert '--int8 needs --backend' in msg
+    assert '--int8 / --bf16 need --backend' in msg
     msg = exit_message(capsys, tool.parse_args,
                        args + ['--backend', 'openvino', '--export-dir', str(tmp_path)])
     assert 'no export.json' in msg
@@ -437,3 +437,28 @@ def test_retinanet_whole_model_through_the_tools(demo_data, tmp_path):
                                '--export-dir', str(tmp_path / 'export'))
     assert "part 'model' runs in onnxruntime" in output
     assert_same_detections(ref_out, got_out)
+
+
+def test_openvino_bf16_where_the_cpu_has_it(exported, monkeypatch):
+    """bf16 runs the fp32 export in OpenVINO on CPUs with bf16 units (close to fp32) and is
+    refused with a clear error elsewhere, and for onnxruntime / INT8."""
+    from mmslab.deploy.compare import compare_outputs
+    from mmslab.deploy.runtimes import load_runtime_model, preprocessed_images
+    from mmslab.utils import machine
+    ex = exported('det')
+    with pytest.raises(ValueError, match='bf16 runs the fp32 export in OpenVINO'):
+        load_runtime_model(ex['export_dir'], 'onnxruntime', bf16=True)
+    with pytest.raises(ValueError, match='INT8 is its own precision'):
+        load_runtime_model(ex['export_dir'], 'openvino', int8=True, bf16=True)
+    if machine.has_bf16():
+        from mmslab.utils.launch import build_model_from_config
+        cfg, model = build_model_from_config(ex['config'])
+        image = preprocessed_images(cfg, model, 1, 'test')[0]
+        names = ex['report']['outputs']
+        fp32 = load_runtime_model(ex['export_dir'], 'openvino')(image)
+        bf16 = load_runtime_model(ex['export_dir'], 'openvino', bf16=True)(image)
+        record = compare_outputs(names, fp32, bf16)
+        assert record['num_ref'] > 0 and record['mean_iou'] > 0.8, record
+    monkeypatch.setattr(machine, 'cpu_flags', lambda: ['avx2', 'avx512f'])
+    with pytest.raises(RuntimeError, match='avx512_bf16 or amx_bf16'):
+        load_runtime_model(ex['export_dir'], 'openvino', bf16=True)

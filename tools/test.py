@@ -3,7 +3,8 @@
     python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--out FILE_OR_DIR] [--show]
                          [--show-dir DIR] [--wait-time S] [--cfg-options KEY=VALUE ...]
                          [--launcher {none,pytorch,slurm,mpi}] [--tta]
-                         [--backend {pytorch,onnxruntime,openvino} --export-dir DIR [--int8]]
+                         [--backend {pytorch,onnxruntime,openvino} --export-dir DIR
+                          [--int8 | --bf16]]
 
 The config's ``default_scope`` ('mmdet' or 'mmseg') selects the codebase. ``--out`` is a pickle
 file of raw detections (mmdet) or a directory of predicted label maps (mmseg). The metrics are
@@ -69,6 +70,9 @@ def parse_args(argv=None):
     parser.add_argument('--export-dir', help='directory written by tools/export_onnx.py --out')
     parser.add_argument('--int8', action='store_true',
                         help='with --backend onnxruntime/openvino: the INT8 artifact')
+    parser.add_argument('--bf16', action='store_true',
+                        help='with --backend openvino: compute the fp32 export in bf16 (CPUs '
+                        'with avx512_bf16 / amx_bf16)')
     parser.add_argument('--runtime-threads', type=int, default=0,
                         help='runtime threads (default: the runtime\'s own)')
     add_launcher_args(parser)
@@ -83,9 +87,13 @@ def parse_args(argv=None):
         if args.tta:
             parser.error('--tta is not supported with a runtime backend (the runtime runs '
                          'the exported single-pass model)')
+        if args.bf16 and (args.backend != 'openvino' or args.int8):
+            parser.error('--bf16 runs the fp32 export in OpenVINO: use it with --backend '
+                         'openvino and without --int8')
     else:
-        if args.int8:
-            parser.error('--int8 needs --backend onnxruntime or openvino')
+        if args.int8 or args.bf16:
+            parser.error('--int8 / --bf16 need --backend onnxruntime or openvino (--bf16: '
+                         'openvino)')
         if args.export_dir:
             parser.error('--export-dir needs --backend onnxruntime or openvino')
     export_local_rank(args)
@@ -203,12 +211,13 @@ def setup_runtime_backend(cfg: Config, args, scope: str) -> None:
                          "neck); a segmentor needs part 'model' or 'backbone'")
     hooks = [h for h in (cfg.get('custom_hooks', None) or [])
              if h.get('type') != 'RuntimeBackendHook']
-    if args.int8 and not (scope == 'mmdet' and part == 'model'):
+    if (args.int8 or args.bf16) and not (scope == 'mmdet' and part == 'model'):
         for h in hooks:
             if h.get('type') == 'ReparamEvalHook':
                 h['check_equivalence'] = False
     hooks.append(dict(type='RuntimeBackendHook', export_dir=args.export_dir,
-                      runtime=args.backend, int8=args.int8, threads=args.runtime_threads))
+                      runtime=args.backend, int8=args.int8, threads=args.runtime_threads,
+                      **(dict(bf16=True) if args.bf16 else {})))
     cfg.custom_hooks = hooks
 
 
@@ -252,7 +261,7 @@ def main(argv=None):
     metrics = runner.test()
     if is_main_process():
         line = dict(metrics or {})
-        line.update(backend=args.backend, int8=bool(args.int8))
+        line.update(backend=args.backend, int8=bool(args.int8), bf16=bool(args.bf16))
         print(METRICS_PREFIX + json.dumps(line, default=_jsonable), flush=True)
         with open(osp.join(cfg.work_dir, 'metrics.json'), 'w') as f:
             json.dump(line, f, indent=2, default=_jsonable)

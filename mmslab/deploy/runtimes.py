@@ -44,13 +44,19 @@ class OnnxRuntimeModel(RuntimeModel):
 
 
 class OpenVINOModel(RuntimeModel):
+    """``bf16``: OpenVINO computes the float parts in bf16 (``INFERENCE_PRECISION_HINT``);
+    refused on CPUs without bf16 units."""
 
-    def __init__(self, path: str, threads: int = 0):
+    def __init__(self, path: str, threads: int = 0, bf16: bool = False):
         import openvino as ov
         super().__init__('openvino', path, threads)
         core = ov.Core()
+        if bf16:
+            from mmslab.utils.machine import require_bf16
+            require_bf16('OpenVINO bf16')
         # fp32 means fp32: on CPUs with bf16 units OpenVINO otherwise computes in bf16.
-        config = {'PERFORMANCE_HINT': 'LATENCY', 'INFERENCE_PRECISION_HINT': 'f32'}
+        config = {'PERFORMANCE_HINT': 'LATENCY',
+                  'INFERENCE_PRECISION_HINT': 'bf16' if bf16 else 'f32'}
         if threads:
             config['INFERENCE_NUM_THREADS'] = threads
         self.compiled = core.compile_model(core.read_model(path), 'CPU', config)
@@ -77,14 +83,21 @@ def artifact_path(out_dir: str, runtime: str, int8: bool) -> str:
 
 
 def load_runtime_model(out_dir: str, runtime: str, int8: bool = False,
-                       threads: int = 0) -> RuntimeModel:
+                       threads: int = 0, bf16: bool = False) -> RuntimeModel:
+    """The exported model of ``out_dir`` in ``runtime``; ``bf16`` (OpenVINO only): the fp32
+    model computed in bf16."""
+    if bf16 and (runtime != 'openvino' or int8):
+        raise ValueError('bf16 runs the fp32 export in OpenVINO (INFERENCE_PRECISION_HINT); '
+                         'onnxruntime has no bf16 CPU path for these graphs, and INT8 is its '
+                         'own precision')
     path = artifact_path(out_dir, runtime, int8)
     if not osp.exists(path):
         what = 'INT8 ' if int8 else ''
         raise FileNotFoundError(f'no {what}{runtime} model at {path}; run tools/export_onnx.py '
                                 f'--out {out_dir}' + (' --int8' if int8 else ''))
-    cls = OnnxRuntimeModel if runtime == 'onnxruntime' else OpenVINOModel
-    return cls(path, threads)
+    if runtime == 'onnxruntime':
+        return OnnxRuntimeModel(path, threads)
+    return OpenVINOModel(path, threads, bf16)
 
 
 def convert_to_openvino(onnx_path: str, out_dir: str) -> str:

@@ -49,6 +49,23 @@ def blas_backend() -> str:
     return 'mkl' if torch.backends.mkl.is_available() else 'unknown'
 
 
+def cpu_flags() -> List[str]:
+    return _cpuinfo().get('flags', '').split()
+
+
+def has_bf16() -> bool:
+    """Whether the CPU computes bf16 natively (AVX-512 BF16 or AMX BF16)."""
+    return bool({'avx512_bf16', 'amx_bf16'} & set(cpu_flags()))
+
+
+def require_bf16(what: str) -> None:
+    """Refuse ``what`` in bf16 on a CPU without bf16 units (it would run emulated, slower)."""
+    if not has_bf16():
+        cpu = _cpuinfo().get('model name', 'unknown')
+        raise RuntimeError(f'{what}: bf16 needs a CPU with avx512_bf16 or amx_bf16; this one '
+                           f'({cpu}) has neither. Use fp32 or int8.')
+
+
 def machine_info() -> dict:
     info = _cpuinfo()
     flags = [f for f in info.get('flags', '').split() if f in _ISA_FLAGS]

@@ -133,6 +133,7 @@ class RuntimeBackendHook(Hook):
         runtime: 'onnxruntime' or 'openvino'.
         int8: run the INT8 artifact (``model_int8.onnx`` / ``openvino/model_int8.xml``).
         threads: runtime threads (0: the runtime's default).
+        bf16: OpenVINO computes the fp32 model in bf16 (CPUs with bf16 units only).
 
     Its priority (HIGH) is below ``ReparamEvalHook`` (VERY_HIGH), which swaps in the fused
     copy first; the methods are patched on that copy, so ``ReparamEvalHook``'s equivalence
@@ -142,11 +143,12 @@ class RuntimeBackendHook(Hook):
     priority = 'HIGH'
 
     def __init__(self, export_dir: str, runtime: str = 'onnxruntime', int8: bool = False,
-                 threads: int = 0):
+                 threads: int = 0, bf16: bool = False):
         from mmslab.deploy.runtimes import check_runtime
         self.export_dir = export_dir
         self.runtime = check_runtime(runtime)
         self.int8 = int8
+        self.bf16 = bf16
         self.threads = threads
         self.info = read_export_info(export_dir)
         self.part = self.info['part']
@@ -158,7 +160,7 @@ class RuntimeBackendHook(Hook):
         if self._runtime_model is None:
             from mmslab.deploy.runtimes import load_runtime_model
             self._runtime_model = load_runtime_model(self.export_dir, self.runtime, self.int8,
-                                                     self.threads)
+                                                     self.threads, self.bf16)
         return self._runtime_model
 
     def _replacements(self, model: nn.Module) -> dict:
@@ -253,7 +255,8 @@ class RuntimeBackendHook(Hook):
         shape = 'dynamic' if self.info.get('dynamic') else 'x'.join(map(str, self.info['shape']))
         runner.logger.info(
             f"RuntimeBackendHook: part '{self.part}' runs in {self.runtime} "
-            f"({'INT8' if self.int8 else 'fp32'}, {self._runtime_model.path}, input {shape}); "
+            f"({'INT8' if self.int8 else 'bf16' if self.bf16 else 'fp32'}, "
+            f"{self._runtime_model.path}, input {shape}); "
             f'the rest of {type(model).__name__} in PyTorch')
 
     def _exit(self, runner) -> None:
