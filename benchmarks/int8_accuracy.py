@@ -3,12 +3,14 @@
     python benchmarks/int8_accuracy.py [--configs ...] [--calib-images 16] [--out DIR]
 
 For each demo config (default: SLAB-Swin-T, PRepBN-Swin-T, RePa-Swin-T and the LayerNorm
-Swin-T baseline, all with the same heads, data and schedule) it trains the model with
-tools/train.py unless ``work_dirs/<config>/last_checkpoint`` exists, exports the whole
-detector with tools/export_onnx.py (free input size; ``--int8``: onnxruntime static QDQ and
-NNCF, calibrated on ``--calib-images`` training images), and evaluates bbox / segm mAP on the
-demo validation set with tools/test.py in every form (the runtimes run the whole model). Does the BatchNorm-only model quantize better, as the SLAB
-paper suggests? Prints the table, writes ``int8_accuracy.json`` and ``.png``.
+Swin-T baseline Mask R-CNN, all with the same heads, data and schedule; the UperNet demo
+works too) it trains the model with tools/train.py unless
+``work_dirs/<config>/last_checkpoint`` exists, exports the whole model with
+tools/export_onnx.py (free input size; ``--int8``: onnxruntime static QDQ and NNCF,
+calibrated on ``--calib-images`` training images), and evaluates it on the demo validation
+set with tools/test.py in every form (bbox / segm mAP, or mIoU / aAcc). Does the
+BatchNorm-only model quantize better, as the SLAB paper suggests? Prints the table, writes
+``int8_accuracy.json`` and ``.png``.
 """
 import argparse
 import json
@@ -102,8 +104,8 @@ def main(argv=None):
                 [osp.join('tools', 'test.py'), config, ckpt,
                  '--work-dir', osp.join(args.out, name, 'test_pytorch')], log)
             m = metrics_of(out)
-            results[name][form] = {k: m[k] for k in ('coco/bbox_mAP', 'coco/segm_mAP')}
-            print(f"  {form:18s} bbox {m['coco/bbox_mAP']:.3f}  segm {m['coco/segm_mAP']:.3f}",
+            results[name][form] = {k: m[k] for k in metric_keys(m)}
+            print(f'  {form:18s} ' + '  '.join(f'{k} {m[k]:.3f}' for k in metric_keys(m)),
                   flush=True)
     print_table(results)
     with open(osp.join(args.out, 'int8_accuracy.json'), 'w') as f:
@@ -114,18 +116,25 @@ def main(argv=None):
     return results
 
 
+def metric_keys(metrics: dict):
+    """bbox / segm mAP of a detector, mIoU / aAcc of a segmentor."""
+    det = ('coco/bbox_mAP', 'coco/segm_mAP')
+    return [k for k in det if k in metrics] or [k for k in ('mIoU', 'aAcc') if k in metrics]
+
+
 def print_table(results):
     forms = [f for f, _ in FORMS]
-    print('\nbbox / segm mAP on the demo validation set')
+    print('\nmetrics on the demo validation set (bbox / segm mAP, or mIoU / aAcc)')
     print('  ' + 'model'.ljust(28) + ''.join(f.rjust(19) for f in forms))
     for name, r in results.items():
         print('  ' + name.ljust(28) + ''.join(
-            f"{r[f]['coco/bbox_mAP']:.3f} / {r[f]['coco/segm_mAP']:.3f}".rjust(19)
+            ' / '.join(f'{v:.3f}' for v in r[f].values()).rjust(19)
             for f in forms))
     for name, r in results.items():
         for rt in ('onnxruntime', 'openvino'):
-            d = r[f'{rt} int8']['coco/bbox_mAP'] - r[f'{rt} fp32']['coco/bbox_mAP']
-            print(f'  {name} {rt}: INT8 - fp32 bbox mAP {d:+.3f}')
+            key = next(iter(r[f'{rt} fp32']))
+            d = r[f'{rt} int8'][key] - r[f'{rt} fp32'][key]
+            print(f'  {name} {rt}: INT8 - fp32 {key} {d:+.3f}')
 
 
 def plot(results, path):
@@ -133,9 +142,9 @@ def plot(results, path):
     with saved_figure(path, figsize=(10, 4)) as (fig, axes):
         ax = axes[0][0]
         grouped_bars(ax, [n.replace('mask_rcnn_', '').replace('_demo', '') for n in names],
-                     {form: [results[n][form]['coco/bbox_mAP'] for n in names]
+                     {form: [next(iter(results[n][form].values())) for n in names]
                       for form, _ in FORMS})
-        ax.set_ylabel('bbox mAP (demo val)')
+        ax.set_ylabel('bbox mAP or mIoU (demo val)')
         ax.legend(fontsize=8)
         ax.grid(axis='y', alpha=0.3)
 
