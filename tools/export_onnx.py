@@ -47,7 +47,7 @@ from mmslab.deploy.compare import FP32_TOLERANCE, compare_outputs, within_fp32_t
 from mmslab.deploy.export_info import (dataset_meta, deploy_pipeline, file_sha256,
                                        model_config_sha256, runtime_versions, task_of)
 from mmslab.deploy.onnx_export import onnx_size_mb
-from mmslab.deploy.runtimes import pad_to_shape, preprocessed_images
+from mmslab.deploy.runtimes import preprocessed_images
 from mmslab.utils.launch import build_model_from_config, load_config
 from mmslab.utils.machine import machine_info
 
@@ -193,7 +193,7 @@ def main(argv=None):
     cfg, model, shape = build(args)
     part = args.part
     try:
-        wrapper = ExportWrapper(model, part, args.seg_argmax)  # refuses what does not apply
+        ExportWrapper(model, part, args.seg_argmax)  # refuses what does not apply
     except ValueError as err:
         raise SystemExit(f'error: {err}')
     onnx_path = osp.join(args.out, 'model.onnx')

@@ -17,7 +17,7 @@ from the runtime size and the graph serves any height and width.
 """
 from contextlib import ExitStack
 import os.path as osp
-from typing import List, Sequence, Tuple
+from typing import List, Tuple
 
 import numpy as np
 import torch

@@ -17,7 +17,6 @@ Static exports get each preprocessed image zero-padded at the bottom/right to th
 size; dynamic exports take it as it is.
 """
 import math
-import os.path as osp
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
