@@ -22,7 +22,6 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
 
@@ -76,39 +75,32 @@ class RuntimePart:
         self.runtime_model = runtime_model
         self.shape = tuple(shape) if shape is not None else None  # None: dynamic export
 
+    def _input(self, image: torch.Tensor) -> np.ndarray:
+        """``[1, 3, h, w]`` as the runtime takes it: zero-padded to a static export's shape
+        (an image larger than it is an error)."""
+        image = image.detach().float().cpu().numpy()
+        if self.shape is None:
+            return image
+        from mmslab.deploy.runtimes import pad_to_shape
+        try:
+            return pad_to_shape(image, self.shape)
+        except ValueError as err:
+            raise RuntimeError(str(err)) from None
+
     def whole(self, image: torch.Tensor) -> List[torch.Tensor]:
         """One ``[1, 3, h, w]`` image through a whole-model export, outputs as they come
         (detections are in the input's pixels, so zero padding at the bottom/right of a
         static export leaves them where they are)."""
-        image = image.detach().float().cpu()
-        if self.shape is not None:
-            from mmslab.deploy.runtimes import pad_to_shape
-            try:
-                image = torch.from_numpy(pad_to_shape(image.numpy(), self.shape))
-            except ValueError as err:
-                raise RuntimeError(str(err)) from None
-        return [torch.from_numpy(np.asarray(o)) for o in self.runtime_model(image.numpy())]
+        return [torch.from_numpy(np.asarray(o)) for o in self.runtime_model(self._input(image))]
 
     def __call__(self, inputs: torch.Tensor) -> List[torch.Tensor]:
         h, w = inputs.shape[-2:]
-        if self.shape is not None:
-            eh, ew = self.shape
-            if h > eh or w > ew:
-                raise RuntimeError(
-                    f'input of {h}x{w} (after the data preprocessor) is larger than the exported '
-                    f'static shape {eh}x{ew}: export with tools/export_onnx.py --dynamic (the '
-                    'default), or --shape H W at least as large as the test images')
-            pad = (0, ew - w, 0, eh - h)
-        per_image = []
-        for image in inputs.detach().float().cpu():
-            image = image[None]
-            if self.shape is not None and any(pad):
-                image = F.pad(image, pad, value=0.0)
-            per_image.append(self.runtime_model(image.numpy()))
+        per_image = [self.runtime_model(self._input(image[None])) for image in inputs]
+        padded = self.shape is not None and (h, w) != self.shape
         outs = []
         for i in range(len(per_image[0])):
             out = torch.from_numpy(np.concatenate([o[i] for o in per_image], axis=0))
-            if self.shape is not None and any(pad) and out.dim() == 4:
+            if padded and out.dim() == 4:
                 # Crop each map to what the PyTorch model gives for this input, so anchors,
                 # RoI feature grids and the segmentor's logits keep the layout of the PyTorch
                 # run (keeping the padded maps would also be safe for detectors, as mmdet
@@ -116,7 +108,7 @@ class RuntimePart:
                 # and change NMS). Values near the bottom/right border still see the zero
                 # padding through the receptive field (and global pooling / attention):
                 # inherent to a static export; export at the test size to avoid it.
-                oh, ow = out.shape[-2:]
+                (eh, ew), (oh, ow) = self.shape, out.shape[-2:]
                 out = out[..., :_crop_size(h, eh, oh), :_crop_size(w, ew, ow)]
             outs.append(out.to(inputs.device).contiguous())
         return outs
