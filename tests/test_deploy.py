@@ -462,3 +462,63 @@ def test_openvino_bf16_where_the_cpu_has_it(exported, monkeypatch):
     monkeypatch.setattr(machine, 'cpu_flags', lambda: ['avx2', 'avx512f'])
     with pytest.raises(RuntimeError, match='avx512_bf16 or amx_bf16'):
         load_runtime_model(ex['export_dir'], 'openvino', bf16=True)
+
+
+def test_backbone_export_and_hook_pads_crops_refuses_larger_inputs(exported, tmp_path):
+    """Part 'backbone' of the trained detector exported static at 128x128: a 96x96 batch is
+    zero-padded per image, the outputs are cropped to the shapes the PyTorch model gives at
+    96x96 (and go through the PyTorch neck); a larger input is an error."""
+    from types import SimpleNamespace
+
+    from mmengine.logging import MMLogger
+    from mmengine.runner import load_checkpoint
+
+    import mmslab
+    from mmslab.engine.hooks import RuntimeBackendHook
+    from mmslab.utils.launch import build_model_from_config
+    run = exported('det')
+    report, _ = export(run['config'], str(tmp_path / 'ex128'), '--part', 'backbone',
+                       '--no-dynamic', '--shape', '128', '128', '--runtime', 'onnxruntime',
+                       checkpoint=run['checkpoint'])
+    assert report['part'] == 'backbone' and len(report['outputs']) == 4
+    assert_parity(report, ('onnxruntime', ), min_images=2)
+    _, model = build_model_from_config(run['config'])
+    load_checkpoint(model, run['checkpoint'], map_location='cpu', logger='silent')
+    model = mmslab.reparameterize(model.eval())
+    hook = RuntimeBackendHook(str(tmp_path / 'ex128'), 'onnxruntime')
+    runner = SimpleNamespace(model=model, logger=MMLogger.get_current_instance())
+    inner = hook._load()
+    calls = []
+
+    class Counting:
+        path = inner.path
+
+        def __call__(self, image):
+            calls.append(image.shape)
+            return inner(image)
+
+    hook._runtime_model = Counting()
+    x = torch.randn(2, 3, 96, 96)
+    with torch.no_grad():
+        ref = model.extract_feat(x)
+        hook.before_test_epoch(runner)
+        try:
+            out = model.extract_feat(x)
+            assert calls == [(1, 3, 128, 128)] * 2
+            assert [o.shape for o in out] == [r.shape for r in ref]
+            assert all(torch.isfinite(o).all() for o in out)
+            with pytest.raises(RuntimeError, match='larger than the exported static shape'):
+                model.extract_feat(torch.randn(1, 3, 160, 128))
+        finally:
+            hook.after_test_epoch(runner)
+    assert 'extract_feat' not in vars(model)  # restored
+    with torch.no_grad():
+        torch.testing.assert_close(model.extract_feat(x), ref)
+
+
+def test_crop_size():
+    from mmslab.engine.hooks.runtime_backend_hook import _crop_size
+    # FPN levels of an 800-row export (strides 4..64), cropped for a 768-row input
+    assert [_crop_size(768, 800, n) for n in (200, 100, 50, 25, 13)] == [192, 96, 48, 24, 12]
+    assert [_crop_size(64, 96, n) for n in (24, 12, 6, 3, 2)] == [16, 8, 4, 2, 1]
+    assert _crop_size(64, 96, 7) == 7  # no power-of-2 stride explains it: kept
