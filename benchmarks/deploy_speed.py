@@ -42,8 +42,10 @@ import mmslab
 from mmslab.benchmark import measure_interleaved, parse_shape, summarize
 from mmslab.deploy import (convert_to_openvino, export_onnx, quantize_onnxruntime,
                            quantize_openvino)
+from mmslab.deploy.onnx_export import DEFAULT_ATTENTION_LAYOUT as DEFAULT_ATTENTION
 from mmslab.deploy.runtimes import OnnxRuntimeModel, OpenVINOModel
-from mmslab.models.layers.window_attention import window_softmax_choices
+from mmslab.models.layers.window_attention import (ATTENTION_LAYOUTS,
+                                                   window_softmax_choices)
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
 from mmslab.utils.machine import machine_info, machine_line
 from mmslab.utils.plotting import grouped_bars, saved_figure
@@ -134,13 +136,13 @@ def build_upernet(config: str, fuse: bool, cfg_options=None) -> torch.nn.Module:
 
 
 def deploy_forms(model, part, shape, runtimes, workdir, threads, calib_images,
-                 dynamic: bool = True):
+                 dynamic: bool = True, attention: str = DEFAULT_ATTENTION):
     """{runtime: callable(image)} for one model and input shape."""
     os.makedirs(workdir, exist_ok=True)
     onnx_path = osp.join(workdir, 'model.onnx')
     needs_onnx = any(not r.startswith('eager') for r in runtimes)
     if needs_onnx:
-        export_onnx(model, part, shape, onnx_path, dynamic=dynamic)
+        export_onnx(model, part, shape, onnx_path, dynamic=dynamic, attention=attention)
     calib = [np.random.RandomState(i).randn(1, 3, *shape).astype(np.float32)
              for i in range(calib_images)]
     forms = {}
@@ -259,6 +261,10 @@ def main(argv=None):
                    help='add whole UperNet rows (default size 512x2048)')
     p.add_argument('--export', choices=('dynamic', 'static', 'both'), default='dynamic',
                    help='exported graphs with free H, W (default), one static size, or both')
+    p.add_argument('--attention', choices=ATTENTION_LAYOUTS + ('both', ),
+                   default=DEFAULT_ATTENTION,
+                   help='layout of window attention in the exported graphs (both: rows of '
+                   'each, the non-default one suffixed)')
     add_allocator_argument(p)
     p.add_argument('--out', default='work_dirs/deploy_speed')
     args = p.parse_args(argv)
@@ -327,18 +333,15 @@ def measure_case(args, tmp, shape_text: str, kind: str, rows: list) -> dict:
             'UperNet RePa-Swin-T fused': (build_upernet(
                 'configs/upernet_repa_swin_t_160k_ade20k.py', True), 'model')}
     print(f'preparing {kind} {shape_text}: export, OpenVINO conversion, INT8 calibration')
-    modes = dict(dynamic=[True], static=[False], both=[True, False])[args.export]
-    report_mode = {True: '', False: ' static'} if args.export == 'both' else {True: '',
-                                                                             False: ''}
     for name, (model, part) in builds.items():
-        for dynamic in modes:
-            runtimes = args.runtimes if dynamic == modes[0] else \
+        for i, (dynamic, attention, suffix) in enumerate(export_variants(args)):
+            runtimes = args.runtimes if i == 0 else \
                 [r for r in args.runtimes if not r.startswith('eager')]
             forms = deploy_forms(model, part, shape, runtimes,
                                  osp.join(tmp, f'{kind}_{shape_text}_{len(fns)}'),
-                                 args.threads, args.calib_images, dynamic)
+                                 args.threads, args.calib_images, dynamic, attention)
             for rt, fn in forms.items():
-                fns[(name, rt if rt.startswith('eager') else rt + report_mode[dynamic])] = fn
+                fns[(name, rt if rt.startswith('eager') else rt + suffix)] = fn
     bar = ProgressBar(len(fns) * args.repeat)
     keyed = {f'{n} | {r}': f for (n, r), f in fns.items()}
     times = measure_interleaved(keyed, args.repeat, args.warmup, bar.update)
@@ -352,8 +355,23 @@ def measure_case(args, tmp, shape_text: str, kind: str, rows: list) -> dict:
     return res
 
 
+def export_variants(args) -> list:
+    """``[(dynamic, attention layout, row suffix)]``: the exported graphs each model gets.
+    The first is the default form (unsuffixed rows); ``both`` adds the other with a suffix."""
+    modes = dict(dynamic=[True], static=[False], both=[True, False])[args.export]
+    layouts = [DEFAULT_ATTENTION] if args.attention == 'both' else [args.attention]
+    if args.attention == 'both':
+        layouts += [a for a in ATTENTION_LAYOUTS if a != DEFAULT_ATTENTION]
+    return [(dynamic, layout,
+             ('' if dynamic == modes[0] else ' static') +
+             ('' if layout == layouts[0] or args.attention != 'both' else f' {layout}'))
+            for dynamic in modes for layout in layouts]
+
+
 def runtime_order(rt: str):
     base = rt.replace(' static', '')
+    for layout in ATTENTION_LAYOUTS:
+        base = base.replace(f' {layout}', '')
     return (RUNTIMES.index(base) if base in RUNTIMES else len(RUNTIMES), rt)
 
 

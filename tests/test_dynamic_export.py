@@ -41,8 +41,11 @@ def build_pvt(type_):
     return MODELS.build(dict(type=type_, **PVT_TINY, norm_cfg=dict(type='PRepBN', step=4)))
 
 
-@pytest.mark.parametrize('name', list(PRESETS) + ['PRepBNPVT', 'SLABPVT'])
-def test_dynamic_backbone_graph_matches_unfused_model_at_every_size(name, tmp_path):
+@pytest.mark.parametrize('name,attention', [(n, 'split') for n in PRESETS] + [
+    ('PRepBNSwin', 'packed'), ('RePaSwin', 'packed'), ('SLABSwin', 'packed'),
+    ('PRepBNPVT', 'split'), ('SLABPVT', 'split')])
+def test_dynamic_backbone_graph_matches_unfused_model_at_every_size(name, attention,
+                                                                    tmp_path):
     torch.manual_seed(0)
     model = build_pvt(name) if name.endswith('PVT') else build_preset(name)
     model.init_weights()
@@ -52,7 +55,7 @@ def test_dynamic_backbone_graph_matches_unfused_model_at_every_size(name, tmp_pa
         refs = [[o.numpy() for o in model(x)] for x in inputs]
     mmslab.reparameterize(model)
     path = str(tmp_path / 'backbone.onnx')
-    export_onnx(model, 'backbone', TRACE, path, dynamic=True)
+    export_onnx(model, 'backbone', TRACE, path, dynamic=True, attention=attention)
     for x, ref in zip(inputs, refs):
         assert_close(ref, run_onnx(path, x))
 
@@ -78,7 +81,8 @@ def mmdet_swin():
                            window_size=4, out_indices=(0, 1, 2, 3))
 
 
-def test_mmdet_swin_dynamic_forward_equals_mmdet(tmp_path):
+@pytest.mark.parametrize('attention', ['split', 'packed'])
+def test_mmdet_swin_dynamic_forward_equals_mmdet(attention, tmp_path):
     """mmdet's own Swin: the shape-generic forwards give mmdet's numbers in eager mode, and
     the dynamic graph gives them at every size."""
     torch.manual_seed(0)
@@ -90,7 +94,7 @@ def test_mmdet_swin_dynamic_forward_equals_mmdet(tmp_path):
         with dynamic_mmdet_swin():
             assert_close(refs[0], [o.numpy() for o in model(inputs[0])], 1e-5)
     path = str(tmp_path / 'mmdet_swin.onnx')
-    export_onnx(model, 'backbone', TRACE, path, dynamic=True)
+    export_onnx(model, 'backbone', TRACE, path, dynamic=True, attention=attention)
     for x, ref in zip(inputs, refs):
         assert_close(ref, run_onnx(path, x))
 

@@ -46,8 +46,9 @@ from mmslab.deploy import (PARTS, RUNTIMES, ExportWrapper, artifact_path, calibr
 from mmslab.deploy.compare import FP32_TOLERANCE, compare_outputs, within_fp32_tolerance
 from mmslab.deploy.export_info import (dataset_meta, deploy_pipeline, file_sha256,
                                        model_config_sha256, runtime_versions, task_of)
-from mmslab.deploy.onnx_export import onnx_size_mb
+from mmslab.deploy.onnx_export import DEFAULT_ATTENTION_LAYOUT, onnx_size_mb
 from mmslab.deploy.runtimes import preprocessed_images
+from mmslab.models.layers.window_attention import ATTENTION_LAYOUTS, attention_layout_report
 from mmslab.utils.launch import build_model_from_config, load_config
 from mmslab.utils.machine import machine_info
 
@@ -68,6 +69,10 @@ def parse_args(argv=None):
     p.add_argument('--shape', nargs=2, type=int, metavar=('H', 'W'),
                    help='the traced input size (the static size with --no-dynamic; default '
                    '800 1344 for detectors, 512 512 for segmentors)')
+    p.add_argument('--attention', choices=ATTENTION_LAYOUTS, default=DEFAULT_ATTENTION_LAYOUT,
+                   help='layout of window softmax attention in the graph: split (default; '
+                   'q, k, v as separate MatMuls in the multi-head pattern OpenVINO fuses) or '
+                   'packed (one qkv MatMul and a 5-D transpose). Recorded in export.json')
     p.add_argument('--seg-argmax', action='store_true',
                    help='segmentors: resize the logits to the input and argmax in the graph')
     p.add_argument('--runtime', nargs='+', choices=RUNTIMES, default=list(RUNTIMES))
@@ -201,7 +206,7 @@ def main(argv=None):
               f', traced at {shape[0]}x{shape[1]}) to {onnx_path}', logger='current')
     t0 = time.perf_counter()
     names = export_onnx(model, part, shape, onnx_path, dynamic=args.dynamic,
-                        seg_argmax=args.seg_argmax)
+                        seg_argmax=args.seg_argmax, attention=args.attention)
     export_s = time.perf_counter() - t0
     task = task_of(model)
     # (digest of the config as written: building a model mutates some of its sections)
@@ -212,6 +217,7 @@ def main(argv=None):
                   checkpoint_sha256=file_sha256(args.checkpoint) if args.checkpoint else None,
                   part=part, task=task, outputs=names, shape=list(shape),
                   dynamic=bool(args.dynamic), seg_argmax=bool(args.seg_argmax),
+                  attention=attention_layout_report(model, args.attention),
                   precisions=['fp32'] + (['int8'] if args.int8 else []),
                   pipeline=deploy_pipeline(cfg), **dataset_meta(cfg),
                   versions=runtime_versions(), machine=machine_info(),

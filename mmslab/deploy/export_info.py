@@ -5,7 +5,8 @@ an export and the checkpoint / config it is evaluated with together.
 
 * ``part`` (``backbone`` | ``features`` | ``model``), ``task`` (``detection`` |
   ``instance_segmentation`` | ``semantic_segmentation``), ``outputs`` (names, in order);
-* ``shape`` (the traced input size), ``dynamic`` (height and width free);
+* ``shape`` (the traced input size), ``dynamic`` (height and width free), ``attention``
+  (the window-attention layout in the graph and how many blocks took it);
 * ``config``, ``model_config_sha256`` (of the model section), ``checkpoint``,
   ``checkpoint_sha256`` (null for ``--random-weights``), ``random_weights``;
 * ``pipeline``: what a caller does before the graph (resize, mean, std, channel order,

@@ -58,6 +58,44 @@ def _shift_window_msa_forward(self, query: Tensor, hw_shape) -> Tensor:
     return self.drop(x)
 
 
+def _window_msa_split_forward(self, x: Tensor, mask=None) -> Tensor:
+    """``WindowMSA.forward`` in the ``split`` exported attention layout (see
+    :func:`mmslab.models.layers.window_attention.exported_attention_layout`): q, k, v as three
+    MatMuls with the standard multi-head transposes and the scale folded into q; the same
+    function as mmdet's."""
+    b, n, c = x.shape
+    heads = self.num_heads
+    d = c // heads
+    w_q, w_k, w_v = self.qkv.weight.chunk(3)
+    b_q, b_k, b_v = self.qkv.bias.chunk(3) if self.qkv.bias is not None else (None, ) * 3
+    q = F.linear(x, w_q * self.scale, None if b_q is None else b_q * self.scale)
+    q = q.reshape(b, n, heads, d).transpose(1, 2)  # [B, heads, N, d]
+    k = F.linear(x, w_k, b_k).reshape(b, n, heads, d).permute(0, 2, 3, 1)
+    v = F.linear(x, w_v, b_v).reshape(b, n, heads, d).transpose(1, 2)
+    attn = q @ k
+    bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(
+        n, n, -1).permute(2, 0, 1)
+    attn = attn + bias.unsqueeze(0)
+    if mask is not None:
+        nw = mask.shape[0]
+        attn = attn.view(-1, nw, heads, n, n) + mask.unsqueeze(1).unsqueeze(0)
+        attn = attn.view(-1, heads, n, n)
+    attn = self.attn_drop(self.softmax(attn))
+    out = (attn @ v).transpose(1, 2).reshape(b, n, c)
+    return self.proj_drop(self.proj(out))
+
+
+def _split_attention_classes() -> List[Tuple[type, str, object]]:
+    targets = []
+    for module in ('mmdet.models.backbones.swin', 'mmseg.models.backbones.swin'):
+        try:
+            cls = __import__(module, fromlist=['WindowMSA']).WindowMSA
+        except ImportError:
+            continue
+        targets.append((cls, 'forward', _window_msa_split_forward))
+    return targets
+
+
 def _patched_classes() -> List[Tuple[type, str, object]]:
     """(class, method name, replacement) for every Swin implementation installed."""
     targets = []
@@ -86,9 +124,23 @@ def _patched_classes() -> List[Tuple[type, str, object]]:
 @contextmanager
 def dynamic_mmdet_swin() -> Iterator[None]:
     """Inside the block, mmdet's / mmseg's Swin layers take the shape-generic forwards."""
+    with _patched(_patched_classes()):
+        yield
+
+
+@contextmanager
+def split_mmdet_window_attention() -> Iterator[None]:
+    """Inside the block, mmdet's / mmseg's ``WindowMSA`` export in the ``split`` layout, as
+    mmslab's window attention does, so both are exported the same way."""
+    with _patched(_split_attention_classes()):
+        yield
+
+
+@contextmanager
+def _patched(targets) -> Iterator[None]:
     saved = []
     try:
-        for cls, name, fn in _patched_classes():
+        for cls, name, fn in targets:
             if any(cls is c and name == n for c, n, _ in saved):
                 continue  # one class reachable from two packages
             saved.append((cls, name, cls.__dict__[name]))

@@ -29,6 +29,8 @@ from mmslab.models.layers.symbolic import symbolic_shapes, symbolic_shapes_enabl
 from .compare import max_relative_error  # noqa: F401  (re-exported)
 
 PARTS = ('backbone', 'features', 'model')
+#: Measured faster in OpenVINO (fp32 and INT8) and equal in onnxruntime (docs/benchmarks.md).
+DEFAULT_ATTENTION_LAYOUT = 'split'
 
 
 def pooling_matrix(size: int, out: int) -> Tensor:
@@ -183,13 +185,20 @@ class ExportWrapper(nn.Module):
 
 
 def export_onnx(model: nn.Module, part: str, shape: Tuple[int, int], path: str,
-                dynamic: bool = False, opset: int = 18, seg_argmax: bool = False) -> List[str]:
+                dynamic: bool = False, opset: int = 18, seg_argmax: bool = False,
+                attention: str = DEFAULT_ATTENTION_LAYOUT) -> List[str]:
     """Write ``part`` of the (already fused, eval-mode) ``model`` to ``path``, traced at
-    ``shape``; returns the output names. ``dynamic``: height and width are free."""
-    from .mmdet_swin import dynamic_mmdet_swin
+    ``shape``; returns the output names. ``dynamic``: height and width are free.
+    ``attention``: the layout of mmslab's window softmax attention in the graph (see
+    :func:`~mmslab.models.layers.window_attention.exported_attention_layout`)."""
+    from mmslab.models.layers.window_attention import exported_attention_layout
+    from .mmdet_swin import dynamic_mmdet_swin, split_mmdet_window_attention
     wrapper = ExportWrapper(make_exportable(model), part, seg_argmax).eval()
     dummy = torch.randn(1, 3, *shape)
     with ExitStack() as stack:
+        stack.enter_context(exported_attention_layout(attention))
+        if attention == 'split':
+            stack.enter_context(split_mmdet_window_attention())
         if dynamic:
             stack.enter_context(symbolic_shapes())
             stack.enter_context(dynamic_mmdet_swin())

@@ -1,5 +1,5 @@
 """(Shifted-)window partitioning around any window attention kernel."""
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -7,7 +7,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from .builder import build_window_attention
-from .symbolic import as_size, ceil_div, symbolic_shapes_enabled
+from .symbolic import ceil_div, graph_size, symbolic_shapes_enabled
+from .window_attention import attention_layout
 
 
 def window_partition(x: Tensor, wh: int, ww: int) -> Tensor:
@@ -108,6 +109,16 @@ class ShiftWindowAttention(nn.Module):
         diff = win[:, None, :] - win[:, :, None]
         return torch.from_numpy(np.where(diff != 0, -100.0, 0.0).astype(np.float32)).to(device)
 
+    def _export_token_pad(self) -> Optional[Tensor]:
+        """``[C]`` padded token of the ``split`` exported attention layout, or None for the
+        ``packed`` one (eager, compiled, another layout, kernels without the split form, or
+        a folded norm no token maps to zero)."""
+        kernel = self.w_msa
+        if not (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()) or \
+                attention_layout() != 'split' or not kernel.attends_tokens:
+            return None
+        return kernel.token_pad_value()
+
     @staticmethod
     def _pad_row(kernel, like: Tensor) -> Tensor:
         """``[1, 1, 3C]``: what a padded token is after ``qkv``."""
@@ -129,7 +140,17 @@ class ShiftWindowAttention(nn.Module):
         kernel = self.w_msa
         lay = self._layout(h, w, x.device)
         nw, wh, ww = lay['num_windows'], lay['wh'], lay['ww']
-        if lay['identity']:
+        token_pad = self._export_token_pad()
+        if token_pad is not None:
+            # exported 'split' layout: windows gathered from the C-channel tokens
+            rows = x
+            if not lay['identity'] and lay['pad_slots'].numel():
+                rows = torch.cat([x, token_pad.to(x.dtype).view(1, 1, c).expand(b, 1, c)], 1)
+            if not lay['identity']:
+                rows = rows.index_select(
+                    1, lay['gather_or_pad'] if lay['pad_slots'].numel() else lay['gather'])
+            out = kernel.attend_tokens(rows.reshape(b * nw, wh * ww, c), lay['shift_mask'])
+        elif lay['identity']:
             windows = kernel.qkv(x)
         elif not lay['pad_slots'].numel():
             windows = kernel.qkv(x.index_select(1, lay['gather']))
@@ -146,12 +167,13 @@ class ShiftWindowAttention(nn.Module):
             # padded slots are overwritten with the value a padded token has after qkv.
             windows = kernel.qkv(x.index_select(1, lay['gather']))  # [B, nW*N, 3C]
             windows[:, lay['pad_slots']] = self._pad_row(kernel, windows)
-        if not lay['identity']:
-            windows = windows.view(b * nw, wh * ww, 3 * c)
-        out = kernel.attend(windows, nw, (wh, ww), shift_mask=lay['shift_mask'],
-                            valid=lay['valid'],
-                            cache_key=(lay['hp'], lay['wp'], wh, ww, lay['shift'],
-                                       str(x.device)))
+        if token_pad is None:
+            if not lay['identity']:
+                windows = windows.view(b * nw, wh * ww, 3 * c)
+            out = kernel.attend(windows, nw, (wh, ww), shift_mask=lay['shift_mask'],
+                                valid=lay['valid'],
+                                cache_key=(lay['hp'], lay['wp'], wh, ww, lay['shift'],
+                                           str(x.device)))
         # out: [B*nW, N, C] or [B*nW, N, heads, d] (a view): one gather back to token order.
         if lay['identity']:
             out = out.reshape(b, n, c)
@@ -165,17 +187,23 @@ class ShiftWindowAttention(nn.Module):
             out = out[bidx, pidx].view(b, n, c)
         return kernel.proj_drop(kernel.proj(out))
 
-    # -- shape-generic path (dynamic-size export) ----------------------------------------------
+    # -- shape-generic path (dynamic-size export, torch.compile) -------------------------------
     def _forward_symbolic(self, x: Tensor, hw_shape) -> Tensor:
-        """:meth:`forward` with every size-dependent quantity computed from ``hw_shape`` as
-        tensors: the same slots, padding values, masks and order as the cached layout."""
+        """:meth:`forward` with every size-dependent quantity computed from ``hw_shape`` in
+        the graph: the same slots, padding values, masks and order as the cached layout.
+        Sizes are tensors when traced for export, dynamo's symbolic ints under
+        ``torch.compile`` (no per-size cache, no ``int()``: one graph for every size)."""
         kernel = self.w_msa
         c = kernel.embed_dims
         dev = x.device
-        h, w = as_size(hw_shape[0], dev), as_size(hw_shape[1], dev)
+        h, w = graph_size(hw_shape[0], dev), graph_size(hw_shape[1], dev)
         wh, ww = self.window_size
         s = self.shift_size
-        if kernel.masks_padding:
+        if kernel.masks_padding and not isinstance(h, Tensor):
+            # torch.compile: symbolic ints; the comparison is a guard, as in _window_for
+            wh, ww = self._window_for(h, w)
+            s = s if (wh, ww) == self.window_size else 0
+        elif kernel.masks_padding:
             # as _window_for: a map that fits in one window becomes the (unshifted) window
             fits = (h <= wh) & (w <= ww)
             shrunk = fits & ((h != wh) | (w != ww))  # the shift stays on a full window
@@ -201,14 +229,21 @@ class ShiftWindowAttention(nn.Module):
             shift_mask = torch.where(region.unsqueeze(1) != region.unsqueeze(2),
                                      torch.tensor(-100.0, device=dev),
                                      torch.tensor(0.0, device=dev)).to(x.dtype)
-        tokens = kernel.qkv(x)  # [B, H*W, 3C]
-        pad = self._pad_row(kernel, tokens).expand(tokens.shape[0], 1, 3 * c)
-        windows = torch.cat([tokens, pad], dim=1).index_select(1, gather).reshape(-1, n, 3 * c)
-        out = kernel.attend(windows, nwh * nww, (wh, ww), shift_mask=shift_mask,
-                            valid=valid.reshape(-1, n) if kernel.masks_padding else None)
+        token_pad = self._export_token_pad()
+        if token_pad is not None:  # exported 'split' layout: gather the C-channel tokens
+            pad = token_pad.to(x.dtype).view(1, 1, c).expand(x.shape[0], 1, c)
+            windows = torch.cat([x, pad], dim=1).index_select(1, gather).reshape(-1, n, c)
+            out = kernel.attend_tokens(windows, shift_mask)
+        else:
+            tokens = kernel.qkv(x)  # [B, H*W, 3C]
+            pad = self._pad_row(kernel, tokens).expand(tokens.shape[0], 1, 3 * c)
+            windows = torch.cat([tokens, pad], dim=1).index_select(1, gather)
+            out = kernel.attend(windows.reshape(-1, n, 3 * c), nwh * nww, (wh, ww),
+                                shift_mask=shift_mask,
+                                valid=valid.reshape(-1, n) if kernel.masks_padding else None)
         # back to token order: the slot of token (r, c) is where the shift moved it
         r = (torch.arange(h, device=dev).view(-1, 1) - s + hp) % hp
         q = (torch.arange(w, device=dev).view(1, -1) - s + wp) % wp
         slot = ((r // wh) * nww + q // ww) * n + (r % wh) * ww + q % ww
-        out = out.reshape(tokens.shape[0], -1, c).index_select(1, slot.reshape(-1))
+        out = out.reshape(x.shape[0], -1, c).index_select(1, slot.reshape(-1))
         return kernel.proj_drop(kernel.proj(out))

@@ -11,6 +11,12 @@ unfused model at sizes other than the traced one.
 Under tracing ``x.shape[i]`` is a 0-d tensor, so arithmetic on sizes is recorded. Sizes are
 non-negative, where ONNX ``Div`` (truncating) and Python's ``//`` (flooring) agree; ceilings
 are written ``(n + d - 1) // d`` for that reason.
+
+``torch.compile`` takes the same path (:func:`symbolic_shapes_enabled` is true while dynamo
+traces): the eager path's ``int(size)`` conversions and per-size caches would make dynamo
+specialize every stage's graph on its size and recompile at every new one. There sizes stay
+dynamo's (symbolic) ints rather than tensors (:func:`graph_size`), so a graph compiled with
+dynamic shapes serves every input size (``tests/test_compile.py`` counts the compilations).
 """
 from contextlib import contextmanager
 from typing import Iterator, Union
@@ -34,8 +40,14 @@ def symbolic_shapes(enabled: bool = True) -> Iterator[None]:
         _enabled[0] = previous
 
 
+def compiling() -> bool:
+    """Whether dynamo is tracing the call (``torch.compile``, ``torch.export``)."""
+    return torch.compiler.is_compiling()
+
+
 def symbolic_shapes_enabled() -> bool:
-    return _enabled[0]
+    """Inside :func:`symbolic_shapes`, or while ``torch.compile`` traces."""
+    return _enabled[0] or compiling()
 
 
 def as_size(n: Size, device=None) -> Tensor:
@@ -43,6 +55,22 @@ def as_size(n: Size, device=None) -> Tensor:
     if isinstance(n, Tensor):
         return n.to(torch.long)
     return torch.tensor(n, dtype=torch.long, device=device)
+
+
+def graph_size(n: Size, device=None) -> Size:
+    """A size on the shape-generic path: dynamo's (symbolic) int itself under
+    ``torch.compile`` (it records arithmetic on it; a tensor would make the size
+    data-dependent), a 0-d tensor (:func:`as_size`) under tracing."""
+    if compiling() and not isinstance(n, Tensor):
+        return n
+    return as_size(n, device)
+
+
+def size_max(n: Size, m: int) -> Size:
+    """``max(n, m)`` for a tensor or a (symbolic) int size, without a branch on ``n``."""
+    if isinstance(n, Tensor):
+        return n.clamp(min=m)
+    return torch.sym_max(n, m)
 
 
 def ceil_div(n: Size, d: int) -> Size:

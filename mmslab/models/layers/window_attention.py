@@ -9,8 +9,10 @@ Parameter names follow mmdet's ``WindowMSA`` (``qkv``, ``proj``,
 import logging
 import os
 import time
-from typing import Optional, Tuple
+from contextlib import contextmanager
+from typing import Iterator, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -22,6 +24,60 @@ from mmslab.registry import register_model
 from .affine import fold_affine_into_next_linear
 from .deploy import Reparameterizable
 from .symbolic import symbolic_shapes_enabled
+
+
+#: How exported graphs lay out window attention (see :func:`exported_attention_layout`).
+ATTENTION_LAYOUTS = ('packed', 'split')
+_layout = ['packed']
+
+
+@contextmanager
+def exported_attention_layout(layout: str) -> Iterator[None]:
+    """The form window softmax attention takes in graphs exported inside the block.
+
+    * ``packed``: ``qkv`` on the tokens, windows gathered from its ``3C`` output, q, k and v
+      taken from one 5-D transpose (the eager computation, written out);
+    * ``split``: windows gathered from the ``C``-channel tokens (a third of the data), then
+      q, k, v as three MatMuls, each followed by the ``(0, 2, 1, 3)`` / ``(0, 2, 3, 1)``
+      transpose of the standard multi-head attention pattern (which OpenVINO's CPU plugin
+      fuses into its attention kernel), the scale folded into q's weights.
+
+    Both compute the same function; which is faster depends on the runtime, precision and
+    CPU, so ``tools/export_onnx.py`` records the choice in ``export.json``.
+    """
+    if layout not in ATTENTION_LAYOUTS:
+        raise ValueError(f'unknown attention layout {layout!r}; valid: {ATTENTION_LAYOUTS}')
+    previous = _layout[0]
+    _layout[0] = layout
+    try:
+        yield
+    finally:
+        _layout[0] = previous
+
+
+def attention_layout() -> str:
+    return _layout[0]
+
+
+def attention_layout_report(model: nn.Module, layout: str) -> dict:
+    """What an export in ``layout`` does with each window attention of ``model`` (for
+    ``export.json``): ``{'layout', 'split', 'packed'}``, the counts of mmslab kernels in each
+    form (kernels without the split form, or whose folded norm no token maps to zero, stay
+    packed) and ``mmdet_window_msa``, mmdet's / mmseg's own ``WindowMSA`` modules (in the
+    chosen layout)."""
+    if layout not in ATTENTION_LAYOUTS:
+        raise ValueError(f'unknown attention layout {layout!r}; valid: {ATTENTION_LAYOUTS}')
+    split = packed = foreign = 0
+    for m in model.modules():
+        if isinstance(m, WindowKernelBase):
+            if layout == 'split' and m.attends_tokens and m.token_pad_value() is not None:
+                split += 1
+            else:
+                packed += 1
+        elif type(m).__name__ == 'WindowMSA' and type(m).__module__.startswith(('mmdet.',
+                                                                             'mmseg.')):
+            foreign += 1
+    return dict(layout=layout, split=split, packed=packed, mmdet_window_msa=foreign)
 
 
 def relative_position_index(window_size: Tuple[int, int]) -> Tensor:
@@ -100,6 +156,32 @@ class WindowKernelBase(nn.Module):
         ``cache_key`` identifies the padded layout (constant masks may be cached under it).
         """
         raise NotImplementedError
+
+    #: Whether :meth:`attend_tokens` exists (the ``split`` exported layout).
+    attends_tokens = False
+
+    def token_pad_value(self) -> Optional[Tensor]:
+        """``[C]``: the ``qkv`` *input* whose output is :meth:`pad_value`, so windows can be
+        gathered before ``qkv``; None if there is none (then the ``packed`` form is used).
+
+        Unfolded: the zero token (padding happens after the norm). Folded into ``qkv``: the
+        raw token the folded norm maps to zero, solved from the weights in float64.
+        """
+        if self.masks_padding:
+            return None
+        weight = self.qkv.weight
+        if self.qkv_pad is None:
+            return weight.new_zeros(self.embed_dims)
+        # numpy: a constant of the exported graph, not traced linear algebra
+        w = weight.detach().cpu().double().numpy()
+        target = self.qkv_pad.detach().cpu().double().numpy()
+        if self.qkv.bias is not None:
+            target = target - self.qkv.bias.detach().cpu().double().numpy()
+        token = np.linalg.lstsq(w, target, rcond=None)[0]
+        error = np.abs(w @ token - target).max() / max(np.abs(target).max(), 1e-12)
+        if not np.isfinite(token).all() or error > 1e-6:
+            return None  # the norm had zero scales: no token maps to it
+        return torch.from_numpy(token).to(weight)
 
 
 @register_model()
@@ -210,6 +292,30 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
             attn = (attn.reshape(-1, shift_mask.shape[0], self.num_heads, n, n) + mask)
             attn = attn.reshape(-1, self.num_heads, n, n)
         return (attn.softmax(dim=-1) @ v).transpose(1, 2)
+
+    attends_tokens = True
+
+    def attend_tokens(self, windows: Tensor, shift_mask: Optional[Tensor] = None) -> Tensor:
+        """The ``split`` exported layout (:func:`exported_attention_layout`): window tokens
+        *before* ``qkv`` ``[B*nW, N, C]`` -> ``[B*nW, N, C]``, for any number of windows."""
+        n = self.window_size[0] * self.window_size[1]
+        heads, d = self.num_heads, self.head_dims
+        w_q, w_k, w_v = self.qkv.weight.chunk(3)
+        b_q, b_k, b_v = self.qkv.bias.chunk(3) if self.qkv.bias is not None else (None, ) * 3
+        q = F.linear(windows, w_q * self.scale, None if b_q is None else b_q * self.scale)
+        q = q.reshape(-1, n, heads, d).transpose(1, 2)  # [B', heads, N, d]
+        k = F.linear(windows, w_k, b_k).reshape(-1, n, heads, d).permute(0, 2, 3, 1)
+        v = F.linear(windows, w_v, b_v).reshape(-1, n, heads, d).transpose(1, 2)
+        attn = q @ k  # [B', heads, N, N]
+        bias = self.position_bias().to(attn.dtype)
+        if shift_mask is None:
+            attn = attn + bias
+        else:
+            mask = bias + shift_mask.to(attn.dtype).unsqueeze(1)  # [nW, heads, N, N]
+            attn = (attn.reshape(-1, shift_mask.shape[0], heads, n, n) + mask)
+            attn = attn.reshape(-1, heads, n, n)
+        out = attn.softmax(dim=-1) @ v  # [B', heads, N, d]
+        return out.transpose(1, 2).reshape(-1, n, self.embed_dims)
 
 
 def _softmax_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:

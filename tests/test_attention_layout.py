@@ -1,0 +1,120 @@
+"""The two exported layouts of window softmax attention (``packed`` and ``split``).
+
+Each graph is compared with an independent eager model (the unfused mmslab model; mmdet's
+own Swin), the split graph's structure is checked (three q/k/v MatMuls per block with the
+standard multi-head transposes, no 5-D transpose), and the padded token of the split layout
+is checked against the definition it replaces: the value a padded slot has after ``qkv``.
+"""
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import mmslab
+from conftest import randomize_weights
+from mmslab.deploy import export_onnx
+from mmslab.models.layers.window_attention import (WindowMSA, attention_layout_report,
+                                                   exported_attention_layout)
+from test_swin_backbones import build_preset
+
+ort = pytest.importorskip('onnxruntime')
+
+
+def run_onnx(path, x):
+    sess = ort.InferenceSession(path, providers=['CPUExecutionProvider'])
+    return sess.run(None, {'image': x.numpy()})
+
+
+def transposes(path):
+    perms = []
+    for node in onnx.load(path).graph.node:
+        if node.op_type == 'Transpose':
+            perms += [tuple(a.ints) for a in node.attribute if a.name == 'perm']
+    return perms
+
+
+def fused_with_reference(name, sizes, seed=0):
+    torch.manual_seed(seed)
+    model = randomize_weights(build_preset(name), seed)
+    inputs = [torch.randn(1, 3, *s) for s in sizes]
+    with torch.no_grad():
+        refs = [[o.numpy() for o in model(x)] for x in inputs]
+    return mmslab.reparameterize(model), inputs, refs
+
+
+@pytest.mark.parametrize('dynamic', [False, True])
+def test_split_layout_matches_unfused_model_and_has_the_multi_head_pattern(dynamic, tmp_path):
+    """PRepBN-Swin: its norm is folded into qkv, so padded slots need the solved token."""
+    sizes = [(75, 106)] + ([(106, 75), (32, 32)] if dynamic else [])
+    model, inputs, refs = fused_with_reference('PRepBNSwin', sizes)
+    paths = {}
+    for layout in ('packed', 'split'):
+        paths[layout] = str(tmp_path / f'{layout}.onnx')
+        export_onnx(model, 'backbone', (75, 106), paths[layout], dynamic=dynamic,
+                    attention=layout)
+        for x, ref in zip(inputs, refs):
+            for r, o in zip(ref, run_onnx(paths[layout], x)):
+                assert np.abs(o - r).max() / np.abs(r).max() < 1e-4
+    blocks = sum(isinstance(m, WindowMSA) for m in model.modules())
+    split, packed = transposes(paths['split']), transposes(paths['packed'])
+    # packed: a 5-D transpose (qkv -> [3, B', heads, N, d]) and k^T per block; split:
+    # (0, 2, 3, 1) for k and (0, 2, 1, 3) for q, v and the output instead
+    five_d = {k: sum(len(p) == 5 for p in v) for k, v in (('split', split), ('packed', packed))}
+    assert five_d['packed'] - five_d['split'] == blocks
+    assert split.count((0, 2, 3, 1)) - packed.count((0, 2, 3, 1)) == blocks
+    assert split.count((0, 2, 1, 3)) >= 3 * blocks
+    assert packed.count((0, 1, 3, 2)) - split.count((0, 1, 3, 2)) == blocks  # k^T
+    matmuls = [n for n in onnx.load(paths['split']).graph.node if n.op_type == 'MatMul']
+    weights = {i.name for i in onnx.load(paths['split']).graph.initializer}
+    assert sum(n.input[1] in weights for n in matmuls) >= 3 * blocks + 2 * blocks
+
+
+def test_split_token_pad_is_the_value_padding_has_after_qkv():
+    model, _, _ = fused_with_reference('PRepBNSwin', [])
+    kernels = [m for m in model.modules() if isinstance(m, WindowMSA)]
+    assert kernels and all(k.qkv_pad is not None for k in kernels)  # folded norms
+    for k in kernels:
+        token = k.token_pad_value()
+        with torch.no_grad():
+            after_qkv = k.qkv(token)
+        assert torch.allclose(after_qkv, k.qkv_pad, atol=1e-5, rtol=1e-4)
+        assert not torch.allclose(k.qkv(torch.zeros_like(token)), k.qkv_pad, atol=1e-3)
+
+
+def test_kernel_without_a_padding_token_stays_packed_and_exact(tmp_path):
+    """A folded norm with a zero scale maps no raw token to zero: that block keeps the packed
+    form, the graph stays exact, and export.json's report counts it."""
+    model, inputs, refs = fused_with_reference('PRepBNSwin', [(75, 106)])
+    kernel = next(m for m in model.modules() if isinstance(m, WindowMSA))
+    with torch.no_grad():  # the qkv_pad target is no longer in the span of the weights
+        kernel.qkv.weight[:, 0] = 0.0
+        kernel.qkv_pad.add_(torch.linspace(-1.0, 1.0, kernel.qkv_pad.numel()))
+        refs = [[o.numpy() for o in model(x)] for x in inputs]
+    assert kernel.token_pad_value() is None
+    report = attention_layout_report(model, 'split')
+    total = sum(isinstance(m, WindowMSA) for m in model.modules())
+    assert report == dict(layout='split', split=total - 1, packed=1, mmdet_window_msa=0)
+    path = str(tmp_path / 'split.onnx')
+    export_onnx(model, 'backbone', (75, 106), path, dynamic=True, attention='split')
+    for r, o in zip(refs[0], run_onnx(path, inputs[0])):
+        assert np.abs(o - r).max() / np.abs(r).max() < 1e-4
+    packed = str(tmp_path / 'packed.onnx')
+    export_onnx(model, 'backbone', (75, 106), packed, dynamic=True, attention='packed')
+    assert sum(len(p) == 5 for p in transposes(packed)) - \
+        sum(len(p) == 5 for p in transposes(path)) == total - 1
+
+
+def test_linear_attention_kernels_report_packed():
+    model = build_preset('SLABSwin')
+    report = attention_layout_report(model, 'split')
+    kernels = [m for m in model.modules() if hasattr(m, 'attends_tokens')]
+    assert report['packed'] == sum(not k.attends_tokens for k in kernels) > 0
+    assert report['split'] == sum(k.attends_tokens for k in kernels) > 0
+
+
+def test_unknown_layout_names_the_choices():
+    with pytest.raises(ValueError, match="valid: \\('packed', 'split'\\)"):
+        with exported_attention_layout('fused'):
+            pass
+    with pytest.raises(ValueError, match='packed'):
+        attention_layout_report(build_preset('RePaSwin'), 'mha')
