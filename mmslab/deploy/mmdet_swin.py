@@ -75,12 +75,9 @@ def _window_msa_split_forward(self, x: Tensor, mask=None) -> Tensor:
     attn = q @ k
     bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(
         n, n, -1).permute(2, 0, 1)
-    attn = attn + bias.unsqueeze(0)
-    if mask is not None:
-        nw = mask.shape[0]
-        attn = attn.view(-1, nw, heads, n, n) + mask.unsqueeze(1).unsqueeze(0)
-        attn = attn.view(-1, heads, n, n)
-    attn = self.attn_drop(self.softmax(attn))
+    if mask is not None:  # one image: B = nW (as in WindowMSA.attend_tokens)
+        bias = bias + mask.unsqueeze(1)
+    attn = self.attn_drop(self.softmax(attn + bias))
     out = (attn @ v).transpose(1, 2).reshape(b, n, c)
     return self.proj_drop(self.proj(out))
 

@@ -297,7 +297,8 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
 
     def attend_tokens(self, windows: Tensor, shift_mask: Optional[Tensor] = None) -> Tensor:
         """The ``split`` exported layout (:func:`exported_attention_layout`): window tokens
-        *before* ``qkv`` ``[B*nW, N, C]`` -> ``[B*nW, N, C]``, for any number of windows."""
+        *before* ``qkv`` ``[nW, N, C]`` -> ``[nW, N, C]`` (one image), any number of
+        windows."""
         n = self.window_size[0] * self.window_size[1]
         heads, d = self.num_heads, self.head_dims
         w_q, w_k, w_v = self.qkv.weight.chunk(3)
@@ -308,13 +309,12 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
         v = F.linear(windows, w_v, b_v).reshape(-1, n, heads, d).transpose(1, 2)
         attn = q @ k  # [B', heads, N, N]
         bias = self.position_bias().to(attn.dtype)
-        if shift_mask is None:
-            attn = attn + bias
-        else:
-            mask = bias + shift_mask.to(attn.dtype).unsqueeze(1)  # [nW, heads, N, N]
-            attn = (attn.reshape(-1, shift_mask.shape[0], heads, n, n) + mask)
-            attn = attn.reshape(-1, heads, n, n)
-        out = attn.softmax(dim=-1) @ v  # [B', heads, N, d]
+        if shift_mask is not None:
+            # Exports take one image, so B' = nW and the [nW, heads, N, N] mask adds as is:
+            # MatMul -> Add -> Softmax -> MatMul, with no reshape for runtimes to fuse over
+            # (a batch of several images fails on the shapes, never silently).
+            bias = bias + shift_mask.to(attn.dtype).unsqueeze(1)
+        out = (attn + bias).softmax(dim=-1) @ v  # [B', heads, N, d]
         return out.transpose(1, 2).reshape(-1, n, self.embed_dims)
 
 
