@@ -2,7 +2,7 @@
 
     python tools/export_onnx.py CONFIG CHECKPOINT --out DIR
         [--part model|features|backbone] [--no-dynamic --shape H W] [--seg-argmax]
-        [--runtime onnxruntime openvino] [--int8] [--calib-images N] [--eval-images N]
+        [--attention split|packed] [--runtime onnxruntime openvino] [--int8] [--calib-images N] [--eval-images N]
         [--latency HxW [--repeat N]] [--threads N] [--cfg-options ...]
     python tools/export_onnx.py CONFIG --random-weights --out DIR ...   # no checkpoint
 
@@ -18,6 +18,8 @@ ADE20K whole images):
   ``--seg-argmax`` (resize and argmax in the graph).
 
 ``--no-dynamic`` traces one static size (``--shape``; inputs are zero-padded to it).
+``--attention`` sets how window softmax attention is laid out in the graph (``split``, the
+default, or ``packed``; see docs/deployment.md); export.json records it per block.
 The model is fused with ``mmslab.reparameterize``. Written to DIR: ``model.onnx``,
 ``openvino/model.xml``; with ``--int8`` ``model_int8.onnx`` (onnxruntime static QDQ) and
 ``openvino/model_int8.xml`` (NNCF), both calibrated on ``--calib-images`` images of the
