@@ -339,7 +339,7 @@ def test_backend_refuses_other_checkpoints_and_random_exports(exported, tmp_path
     msg = exit_message(capsys, tool.parse_args, args + ['--backend', 'onnxruntime'])
     assert '--backend onnxruntime needs --export-dir' in msg
     msg = exit_message(capsys, tool.parse_args, args + ['--int8'])
-    assert '--int8 / --bf16 need --backend' in msg
+    assert '--precision int8 needs --backend onnxruntime or openvino' in msg
     msg = exit_message(capsys, tool.parse_args,
                        args + ['--backend', 'openvino', '--export-dir', str(tmp_path)])
     assert 'no export.json' in msg
@@ -377,7 +377,8 @@ def test_backend_refuses_other_checkpoints_and_random_exports(exported, tmp_path
         reparam, runtime = c.custom_hooks
         assert reparam.get('check_equivalence', True) is True
         assert runtime == dict(type='RuntimeBackendHook', export_dir=det['export_dir'],
-                               runtime='onnxruntime', int8=int8, threads=0)
+                               runtime='onnxruntime', precision='int8' if int8 else 'fp32',
+                               threads=0)
 
 
 def test_export_errors(tiny, tmp_path, capsys):

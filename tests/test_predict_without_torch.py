@@ -343,6 +343,33 @@ def test_bad_export_json(data, tmp_path, change, message):
     assert 'Traceback' not in proc.stderr
 
 
+@pytest.mark.skipif(not _has('openvino'), reason='OpenVINO is not installed')
+def test_precision_bf16(data, tmp_path):
+    """``--precision bf16``: OpenVINO's bf16 hint on CPUs with bf16 units (the CPU check does
+    not import torch), a clear refusal elsewhere and for onnxruntime; bad choices named."""
+    from mmslab.utils.machine import has_bf16
+    proc = predict(data, data['det'], tmp_path / 'bf16', '--runtime', 'openvino',
+                   '--precision', 'bf16')
+    if has_bf16():
+        assert proc.returncode == 0, proc.stderr
+        assert 'openvino bf16' in proc.stdout and 'ms in openvino bf16' in proc.stdout
+        with open(tmp_path / 'bf16' / 'portrait.json') as f:
+            record = json.load(f)
+        assert record['precision'] == 'bf16'
+        assert [d['label'] for d in record['detections']] == [1, 2]
+    else:
+        assert proc.returncode != 0 and 'avx512_bf16 or amx_bf16' in proc.stderr
+    assert 'Traceback' not in proc.stderr
+    proc = predict(data, data['det'], tmp_path / 'ort', '--precision', 'bf16')
+    assert proc.returncode != 0 and 'onnxruntime has no bf16' in proc.stderr
+    assert 'Valid with --runtime onnxruntime: fp32, int8' in proc.stderr
+    assert 'Traceback' not in proc.stderr
+    proc = predict(data, data['det'], tmp_path / 'x', '--precision', 'fp16')
+    assert proc.returncode != 0 and "invalid choice: 'fp16'" in proc.stderr
+    proc = run_ok(data, data['det'], tmp_path / 'fp32', '--precision', 'fp32')
+    assert 'onnxruntime fp32' in proc.stdout
+
+
 def test_missing_artifacts_and_images(data, tmp_path):
     proc = predict(data, data['det'], tmp_path, '--int8')
     assert proc.returncode != 0 and 'model_int8.onnx' in proc.stderr

@@ -27,7 +27,9 @@ training set through the test pipeline, the data preprocessor and the export's p
 ``export.json`` (see ``mmslab/deploy/export_info.py``): what was exported from which
 checkpoint (SHA-256), the pre-processing, parity of each fp32 runtime against the fused
 PyTorch model on test images (required; several sizes and both orientations for dynamic
-exports), and the INT8 deviation on ``--eval-images`` test images not used for calibration.
+exports), and the INT8 deviation on ``--eval-images`` test images not used for calibration;
+on CPUs with bf16 units also OpenVINO bf16's deviation (``bf16_on_test_images``: the fp32 IR
+run with ``INFERENCE_PRECISION_HINT=bf16``, as ``tools/test.py --precision bf16`` runs it).
 """
 import argparse
 import json
@@ -52,7 +54,7 @@ from mmslab.deploy.onnx_export import DEFAULT_ATTENTION_LAYOUT, onnx_size_mb
 from mmslab.deploy.runtimes import preprocessed_images
 from mmslab.models.layers.window_attention import ATTENTION_LAYOUTS, attention_layout_report
 from mmslab.utils.launch import build_model_from_config, load_config
-from mmslab.utils.machine import machine_info
+from mmslab.utils.machine import has_bf16, machine_info
 
 
 def parse_args(argv=None):
@@ -269,13 +271,19 @@ def main(argv=None):
                 size_key(im, i): compare_outputs(names, ref, int8(im))
                 for i, (im, ref) in enumerate(zip(images, refs))}
             bar.update()
+        if runtime == 'openvino' and has_bf16():  # bf16 computes the fp32 IR: its deviation
+            bf16 = load_runtime_model(args.out, runtime, threads=args.threads or 0,
+                                      precision='bf16')
+            entry['bf16_on_test_images'] = {
+                size_key(im, i): compare_outputs(names, ref, bf16(im))
+                for i, (im, ref) in enumerate(zip(images, refs))}
     print()
     if args.latency:
         report['latency'] = measure_latency(model, part, args)
     with open(osp.join(args.out, 'export.json'), 'w') as f:
         json.dump(report, f, indent=2)
     for runtime, entry in report['runtimes'].items():
-        for precision in ('fp32', 'int8_on_test_images'):
+        for precision in ('fp32', 'int8_on_test_images', 'bf16_on_test_images'):
             for size, record in entry.get(precision, {}).items():
                 print(f'{runtime:12s} {precision[:4]} {size:>14s} ' +
                       ', '.join(f'{k} {v:.4g}' for k, v in record.items()))

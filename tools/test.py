@@ -3,16 +3,32 @@
     python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--out FILE_OR_DIR] [--show]
                          [--show-dir DIR] [--wait-time S] [--cfg-options KEY=VALUE ...]
                          [--launcher {none,pytorch,slurm,mpi}] [--tta]
-                         [--backend {pytorch,onnxruntime,openvino} --export-dir DIR
-                          [--int8 | --bf16]]
+                         [--precision {fp32,bf16,int8,auto}]
+                         [--backend {pytorch,onnxruntime,openvino} --export-dir DIR]
 
 The config's ``default_scope`` ('mmdet' or 'mmseg') selects the codebase. ``--out`` is a pickle
 file of raw detections (mmdet) or a directory of predicted label maps (mmseg). The metrics are
 logged as usual and, on the main process, printed as one JSON line starting with
 ``mmslab-test-metrics:`` and written to ``WORK_DIR/metrics.json``. Multi-process testing: ``tools/dist_test.sh CONFIG CKPT NPROC [args]``.
 
+``--precision``: what the model computes in (``metrics.json`` records it as ``precision``):
+
+* ``fp32`` (default);
+* ``bf16`` (CPUs with avx512_bf16 / amx_bf16; refused elsewhere): PyTorch runs the backbone,
+  neck and heads under ``torch.autocast('cpu', torch.bfloat16)`` with float32 in between and
+  in the post-processing (NMS, mask pasting, resizing); ``--backend openvino`` computes the
+  fp32 export in bf16 (``INFERENCE_PRECISION_HINT``); onnxruntime has no bf16 on x86 CPUs;
+* ``int8`` (with ``--backend``): the export's INT8 artifact (``tools/export_onnx.py --int8``);
+* ``auto``: times fp32 and, where the CPU (and runtime) has it, bf16 on the first test batch
+  and evaluates in bf16 only if it is at least 1.05x faster; never INT8, which changes the
+  model. The times and the choice are logged and written to ``metrics.json``
+  (``precision_auto``).
+
+``--int8`` and ``--bf16`` are short for ``--precision int8`` / ``--precision bf16``.
+
 ``--backend onnxruntime|openvino --export-dir DIR``: the model that ``tools/export_onnx.py
-CONFIG CHECKPOINT --out DIR`` exported runs in that runtime (``--int8``: its INT8 artifact).
+CONFIG CHECKPOINT --out DIR`` exported runs in that runtime (``--precision int8``: its INT8
+artifact).
 For a whole-model export (the default) only data loading and pre-processing stay in
 Python, so the metrics are those of the deployed model; a ``features`` / ``backbone``
 export runs the heads in PyTorch. The export must come from CHECKPOINT (SHA-256 recorded in
@@ -36,6 +52,7 @@ from mmengine.runner import Runner
 
 import mmslab  # noqa: F401  (registers mmslab's components)
 import mmslab.engine  # noqa: F401  (weights-only checkpoint loading for mmengine)
+from mmslab.deploy.runtimes import ORT_NO_BF16
 from mmslab.utils import DataNotFoundError, check_data_root
 from mmslab.utils.launch import (add_launcher_args, export_local_rank, load_config,
                                  set_work_dir, setup_cpu_distributed,
@@ -43,6 +60,11 @@ from mmslab.utils.launch import (add_launcher_args, export_local_rank, load_conf
 
 METRICS_PREFIX = 'mmslab-test-metrics: '
 BACKENDS = ('pytorch', 'onnxruntime', 'openvino')
+PRECISIONS = ('fp32', 'bf16', 'int8', 'auto')
+#: What each backend computes in (onnxruntime: no bf16 on x86, see ORT_NO_BF16).
+BACKEND_PRECISIONS = dict(pytorch=('fp32', 'bf16', 'auto'),
+                          onnxruntime=('fp32', 'int8', 'auto'),
+                          openvino=('fp32', 'bf16', 'int8', 'auto'))
 
 
 def parse_args(argv=None):
@@ -68,15 +90,17 @@ def parse_args(argv=None):
     parser.add_argument('--backend', choices=BACKENDS, default='pytorch',
                         help='run the exported model part in this runtime (needs --export-dir)')
     parser.add_argument('--export-dir', help='directory written by tools/export_onnx.py --out')
-    parser.add_argument('--int8', action='store_true',
-                        help='with --backend onnxruntime/openvino: the INT8 artifact')
-    parser.add_argument('--bf16', action='store_true',
-                        help='with --backend openvino: compute the fp32 export in bf16 (CPUs '
-                        'with avx512_bf16 / amx_bf16)')
+    parser.add_argument('--precision', choices=PRECISIONS, default=None,
+                        help='fp32 (default); bf16: PyTorch autocast or OpenVINO bf16 (CPUs '
+                        'with avx512_bf16 / amx_bf16); int8: the INT8 artifact (needs '
+                        '--backend); auto: the faster of fp32 and bf16, measured here')
+    parser.add_argument('--int8', action='store_true', help='the same as --precision int8')
+    parser.add_argument('--bf16', action='store_true', help='the same as --precision bf16')
     parser.add_argument('--runtime-threads', type=int, default=0,
                         help='runtime threads (default: the runtime\'s own)')
     add_launcher_args(parser)
     args = parser.parse_args(argv)
+    resolve_precision_args(parser, args)
     if args.backend != 'pytorch':
         if not args.export_dir:
             parser.error(f'--backend {args.backend} needs --export-dir DIR (the directory '
@@ -87,17 +111,32 @@ def parse_args(argv=None):
         if args.tta:
             parser.error('--tta is not supported with a runtime backend (the runtime runs '
                          'the exported single-pass model)')
-        if args.bf16 and (args.backend != 'openvino' or args.int8):
-            parser.error('--bf16 runs the fp32 export in OpenVINO: use it with --backend '
-                         'openvino and without --int8')
     else:
-        if args.int8 or args.bf16:
-            parser.error('--int8 / --bf16 need --backend onnxruntime or openvino (--bf16: '
-                         'openvino)')
         if args.export_dir:
             parser.error('--export-dir needs --backend onnxruntime or openvino')
     export_local_rank(args)
     return args
+
+
+def resolve_precision_args(parser, args) -> None:
+    """``args.precision`` from ``--precision`` and its short forms ``--int8`` / ``--bf16``,
+    checked against the backend (an error names the valid choices)."""
+    flags = [p for p in ('int8', 'bf16') if getattr(args, p)]
+    if len(flags) > 1:
+        parser.error('--int8 and --bf16 exclude each other (one --precision)')
+    if flags and args.precision not in (None, flags[0]):
+        parser.error(f'--{flags[0]} is short for --precision {flags[0]}; it contradicts '
+                     f'--precision {args.precision}')
+    args.precision = args.precision or (flags[0] if flags else 'fp32')
+    valid = BACKEND_PRECISIONS[args.backend]
+    if args.precision not in valid:
+        if args.precision == 'int8':
+            why = ('INT8 is an exported artifact: --precision int8 needs --backend onnxruntime '
+                   'or openvino --export-dir DIR (tools/export_onnx.py --int8)')
+        else:
+            why = f'--precision bf16 with --backend onnxruntime: {ORT_NO_BF16}'
+        parser.error(f'{why}. Valid with --backend {args.backend}: {", ".join(valid)}')
+    args.int8, args.bf16 = args.precision == 'int8', args.precision == 'bf16'
 
 
 def trigger_visualization_hook(cfg: Config, args, scope: str) -> None:
@@ -211,14 +250,50 @@ def setup_runtime_backend(cfg: Config, args, scope: str) -> None:
                          "neck); a segmentor needs part 'model' or 'backbone'")
     hooks = [h for h in (cfg.get('custom_hooks', None) or [])
              if h.get('type') != 'RuntimeBackendHook']
-    if (args.int8 or args.bf16) and not (scope == 'mmdet' and part == 'model'):
+    lowered = args.precision in ('int8', 'bf16') or (args.precision == 'auto' and
+                                                     args.backend == 'openvino')
+    if lowered and not (scope == 'mmdet' and part == 'model'):
         for h in hooks:
             if h.get('type') == 'ReparamEvalHook':
                 h['check_equivalence'] = False
     hooks.append(dict(type='RuntimeBackendHook', export_dir=args.export_dir,
-                      runtime=args.backend, int8=args.int8, threads=args.runtime_threads,
-                      **(dict(bf16=True) if args.bf16 else {})))
+                      runtime=args.backend, precision=args.precision,
+                      threads=args.runtime_threads))
     cfg.custom_hooks = hooks
+
+
+def setup_precision(cfg: Config, args) -> None:
+    """bf16: refuse on CPUs without bf16 units (before anything is built). PyTorch bf16 /
+    auto: add ``PrecisionHook`` (after ReparamEvalHook, on the fused copy)."""
+    if args.precision == 'bf16':
+        from mmslab.utils.machine import require_bf16
+        what = 'eager PyTorch bf16' if args.backend == 'pytorch' else f'{args.backend} bf16'
+        try:
+            require_bf16(what)
+        except RuntimeError as err:
+            raise SystemExit(f'error: {err}')
+    if args.backend != 'pytorch' or args.precision == 'fp32':
+        return
+    hooks = [h for h in (cfg.get('custom_hooks', None) or []) if h.get('type') != 'PrecisionHook']
+    hooks.append(dict(type='PrecisionHook', precision=args.precision))
+    cfg.custom_hooks = hooks
+
+
+def precision_report(runner, args) -> dict:
+    """What the model ran in (``precision``; ``int8`` / ``bf16`` as booleans, as before) and
+    ``auto``'s measurement (``precision_auto``), from the hooks that applied it."""
+    from mmslab.engine.hooks import PrecisionHook, RuntimeBackendHook
+    precision, record = args.precision, None
+    for hook in runner.hooks:
+        if isinstance(hook, PrecisionHook) and hook.result:
+            precision, record = hook.result['precision'], hook.result.get('auto')
+        elif isinstance(hook, RuntimeBackendHook):
+            precision, record = hook.precision, hook.auto_record
+    out = dict(precision=precision, precision_requested=args.precision,
+               int8=precision == 'int8', bf16=precision == 'bf16')
+    if record is not None:
+        out['precision_auto'] = record
+    return out
 
 
 def main(argv=None):
@@ -244,6 +319,7 @@ def main(argv=None):
         setup_seg_out(cfg, args.out)
 
     setup_reparam_hook(cfg, args.reparam, args.latency)
+    setup_precision(cfg, args)
     setup_runtime_backend(cfg, args, scope)
     own_group = setup_cpu_distributed(cfg, args.launcher)
 
@@ -261,7 +337,7 @@ def main(argv=None):
     metrics = runner.test()
     if is_main_process():
         line = dict(metrics or {})
-        line.update(backend=args.backend, int8=bool(args.int8), bf16=bool(args.bf16))
+        line.update(backend=args.backend, **precision_report(runner, args))
         print(METRICS_PREFIX + json.dumps(line, default=_jsonable), flush=True)
         with open(osp.join(cfg.work_dir, 'metrics.json'), 'w') as f:
             json.dump(line, f, indent=2, default=_jsonable)

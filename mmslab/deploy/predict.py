@@ -1,7 +1,8 @@
 """Run an exported whole model on images with onnxruntime or OpenVINO, without PyTorch.
 
     python -m mmslab.deploy.predict EXPORT_DIR IMAGE [IMAGE ...] --out OUT_DIR
-        [--runtime onnxruntime|openvino] [--int8] [--score-thr 0.3] [--threads N]
+        [--runtime onnxruntime|openvino] [--precision fp32|bf16|int8] [--score-thr 0.3]
+        [--threads N]
 
 Only numpy, OpenCV and the runtime are imported (no torch, mmcv, mmengine, mmdet, mmseg):
 ``mmslab/__init__.py`` skips its registrations for this entry point. Pre-processing repeats
@@ -11,6 +12,11 @@ mmdet's / mmseg's rescaling to the original image.
 
 ``EXPORT_DIR`` is written by ``tools/export_onnx.py --part model``: ``model.onnx``,
 ``model_int8.onnx``, ``openvino/model.xml``, ``openvino/model_int8.xml`` and ``export.json``.
+
+``--precision``: ``fp32`` (default) runs ``model.onnx`` / ``model.xml`` in fp32 arithmetic;
+``int8`` (or ``--int8``) the INT8 artifact; ``bf16`` (OpenVINO on CPUs with avx512_bf16 /
+amx_bf16; refused elsewhere and for onnxruntime, which has no bf16 on x86 CPUs) the fp32
+model with OpenVINO's ``INFERENCE_PRECISION_HINT=bf16``.
 
 export.json contract (the keys read here; any other key, e.g. ``checkpoint_sha256`` or
 ``precision``, is printed and not required):
@@ -59,7 +65,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import cv2
 import numpy as np
 
-from .runtimes import RUNTIMES, artifact_path
+from .runtimes import PRECISIONS, RUNTIMES, artifact_path, check_runtime_precision
 
 TASK_OUTPUTS = {
     'detection': ('dets', 'labels'),
@@ -275,11 +281,13 @@ class OnnxRuntimeRunner:
 
 class OpenVINORunner:
     """OpenVINO compiled for the CPU, latency hint, fp32 arithmetic (on CPUs with bf16
-    units OpenVINO otherwise computes in bf16); INT8 models keep their int8 layers."""
+    units OpenVINO otherwise computes in bf16) unless ``bf16``; INT8 models keep their int8
+    layers."""
 
-    def __init__(self, path: str, threads: int = 0):
+    def __init__(self, path: str, threads: int = 0, bf16: bool = False):
         import openvino as ov
-        config = {'PERFORMANCE_HINT': 'LATENCY', 'INFERENCE_PRECISION_HINT': 'f32'}
+        config = {'PERFORMANCE_HINT': 'LATENCY',
+                  'INFERENCE_PRECISION_HINT': 'bf16' if bf16 else 'f32'}
         if threads:
             config['INFERENCE_NUM_THREADS'] = threads
         self.compiled = ov.Core().compile_model(path, 'CPU', config)
@@ -298,6 +306,28 @@ class OpenVINORunner:
 
 
 RUNNERS = dict(onnxruntime=OnnxRuntimeRunner, openvino=OpenVINORunner)
+
+
+def resolve_precision(runtime: str, precision: Optional[str], int8: bool = False) -> str:
+    """The precision to run (``--int8`` is ``--precision int8``); a :class:`PredictError`
+    says why a runtime or this CPU cannot run it."""
+    if precision is not None and precision not in PRECISIONS:
+        raise PredictError(f'unknown precision {precision!r}; valid: {", ".join(PRECISIONS)}')
+    if int8 and precision not in (None, 'int8'):
+        raise PredictError(f'--int8 is short for --precision int8; it contradicts '
+                           f'--precision {precision}')
+    precision = 'int8' if int8 else precision or 'fp32'
+    try:
+        check_runtime_precision(runtime, precision)
+    except ValueError as err:
+        raise PredictError(f'{err}. Valid with --runtime {runtime}: fp32, int8') from None
+    if precision == 'bf16':
+        from ..utils.machine import require_bf16  # torch-free: /proc/cpuinfo flags
+        try:
+            require_bf16('OpenVINO bf16')
+        except RuntimeError as err:
+            raise PredictError(str(err)) from None
+    return precision
 
 
 def model_path(export_dir: str, runtime: str, int8: bool) -> str:
@@ -467,19 +497,24 @@ class Predictor:
     Args:
         export_dir (str): what ``tools/export_onnx.py --part model`` wrote.
         runtime (str): ``onnxruntime`` or ``openvino``.
-        int8 (bool): run the INT8 model of that runtime.
+        int8 (bool): run the INT8 model of that runtime (``precision='int8'``).
         threads (int): intra-op threads of the runtime; 0 lets it choose.
+        precision (str): 'fp32', 'bf16' (OpenVINO on CPUs with bf16 units) or 'int8'.
     """
 
     def __init__(self, export_dir: str, runtime: str = 'onnxruntime', int8: bool = False,
-                 threads: int = 0):
+                 threads: int = 0, precision: Optional[str] = None):
         if runtime not in RUNTIMES:
             raise PredictError(f'unknown runtime {runtime!r}; valid: {", ".join(RUNTIMES)}')
+        self.precision = resolve_precision(runtime, precision, int8)
         self.spec = load_export(export_dir)
         self.task = self.spec['task']
-        self.runtime, self.int8 = runtime, int8
-        self.path = model_path(export_dir, runtime, int8)
-        self.runner = RUNNERS[runtime](self.path, threads)
+        self.runtime, self.int8 = runtime, self.precision == 'int8'
+        self.path = model_path(export_dir, runtime, self.int8)
+        if runtime == 'openvino':
+            self.runner = OpenVINORunner(self.path, threads, bf16=self.precision == 'bf16')
+        else:
+            self.runner = RUNNERS[runtime](self.path, threads)
         missing = [n for n in self.spec['outputs'] if n not in self.runner.output_names]
         if missing:
             raise PredictError(f'{self.path} has no output {", ".join(missing)} (its outputs: '
@@ -579,13 +614,14 @@ def write_label_png(path: str, labels: np.ndarray) -> None:
 
 
 def save_result(result: dict, image: np.ndarray, image_path: str, out_dir: str, stem: str,
-                spec: dict, score_thr: float, runtime: str) -> dict:
+                spec: dict, score_thr: float, runtime: str, precision: str = 'fp32') -> dict:
     """Write ``<stem>.jpg``, ``<stem>.json`` and the label PNG; returns the JSON record."""
     classes, palette = spec['classes'], spec['palette']
     meta = result['meta']
     h, w = meta['ori_shape']
     record = dict(image=osp.abspath(image_path), width=w, height=h, task=result['task'],
-                  runtime=runtime, latency_ms=round(result['latency_ms'], 3),
+                  runtime=runtime, precision=precision,
+                  latency_ms=round(result['latency_ms'], 3),
                   input_shape=list(meta['pad_shape']), resized_shape=list(meta['img_shape']),
                   scale_factor=[float(s) for s in meta['scale_factor']])
     if result['task'] == 'semantic_segmentation':
@@ -650,7 +686,10 @@ def parse_args(argv=None):
     p.add_argument('images', nargs='+', help='image files')
     p.add_argument('--out', required=True, help='output directory')
     p.add_argument('--runtime', choices=RUNTIMES, default='onnxruntime')
-    p.add_argument('--int8', action='store_true', help='the INT8 model of the runtime')
+    p.add_argument('--precision', choices=PRECISIONS, default=None,
+                   help='fp32 (default); bf16: OpenVINO computes the fp32 model in bf16 (CPUs '
+                   'with avx512_bf16 / amx_bf16); int8: the INT8 model of the runtime')
+    p.add_argument('--int8', action='store_true', help='the same as --precision int8')
     p.add_argument('--score-thr', type=float, default=0.3,
                    help='detections with a higher score are drawn and written')
     p.add_argument('--threads', type=int, default=0, help='runtime threads (0: its default)')
@@ -663,7 +702,8 @@ def main(argv=None) -> int:
         missing = [p for p in args.images if not osp.isfile(p)]
         if missing:
             raise PredictError(f'no such image: {", ".join(missing)}')
-        predictor = Predictor(args.export_dir, args.runtime, args.int8, args.threads)
+        predictor = Predictor(args.export_dir, args.runtime, args.int8, args.threads,
+                              args.precision)
     except PredictError as err:
         print(f'error: {err}', file=sys.stderr)
         return 1
@@ -672,7 +712,7 @@ def main(argv=None) -> int:
     extra = ', '.join(f'{k}={v}' for k, v in spec['extra'].items() if isinstance(v, scalar) or
                       isinstance(v, list) and all(isinstance(x, scalar) for x in v))
     print(f'{predictor.path}: {spec["task"]}, {len(spec["classes"])} classes, '
-          f'{args.runtime}{" INT8" if args.int8 else ""}' + (f'; {extra}' if extra else ''))
+          f'{args.runtime} {predictor.precision}' + (f'; {extra}' if extra else ''))
     os.makedirs(args.out, exist_ok=True)
     failed = 0
     for path, stem in zip(args.images, unique_stems(args.images)):
@@ -680,7 +720,7 @@ def main(argv=None) -> int:
             image = read_image(path)
             result = predictor(image, args.score_thr)
             record = save_result(result, image, path, args.out, stem, spec, args.score_thr,
-                                 args.runtime)
+                                 args.runtime, predictor.precision)
         except PredictError as err:
             print(f'error: {path}: {err}', file=sys.stderr)
             failed += 1
@@ -693,7 +733,7 @@ def main(argv=None) -> int:
             found = f'{len(record["histogram"])} classes: ' + ', '.join(
                 e['class'] for e in sorted(record['histogram'], key=lambda e: -e['pixels']))
         print(f'{path}: {w}x{h} (input {iw}x{ih}), {found}, '
-              f'{result["latency_ms"]:.1f} ms in {args.runtime}')
+              f'{result["latency_ms"]:.1f} ms in {args.runtime} {predictor.precision}')
     if failed:
         print(f'error: {failed} of {len(args.images)} images failed', file=sys.stderr)
     return 1 if failed else 0

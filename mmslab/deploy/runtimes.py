@@ -1,23 +1,40 @@
-"""Running an exported model in onnxruntime or OpenVINO, fp32 or INT8.
+"""Running an exported model in onnxruntime or OpenVINO: fp32, bf16 or INT8.
 
 Both runtimes read the same ONNX file. INT8 needs one path per runtime (OpenVINO does not
 compile onnxruntime's QDQ model): onnxruntime static quantization (QDQ, per-channel weights)
 writes ``model_int8.onnx``; NNCF post-training quantization writes ``openvino/model_int8.xml``.
 Calibration uses images of the config's dataset, passed through the model's own data
 preprocessor, so the statistics are those of real inputs.
+
+Precisions (:data:`PRECISIONS`): ``fp32`` runs the fp32 artifact in fp32 arithmetic;
+``int8`` the INT8 artifact; ``bf16`` (OpenVINO only, CPUs with avx512_bf16 / amx_bf16) the
+fp32 artifact with OpenVINO's ``INFERENCE_PRECISION_HINT=bf16``. onnxruntime has no bf16 path
+on x86 CPUs (:data:`ORT_NO_BF16`).
 """
 import os
 import os.path as osp
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
 RUNTIMES = ('onnxruntime', 'openvino')
+PRECISIONS = ('fp32', 'bf16', 'int8')
 WEIGHT_OPS = ('MatMul', 'Gemm', 'Conv')  # the op types ORT INT8 quantizes (with weights)
+
+#: Why onnxruntime refuses bf16 (measured with onnxruntime 1.32 on an Intel Xeon with AMX;
+#: ``benchmarks/ort_bf16_probe.py`` repeats the measurement on the machine at hand).
+ORT_NO_BF16 = ('onnxruntime has no bf16 compute on x86 CPUs: its CPU execution provider has no '
+               'bf16 MatMul / Conv kernels (a graph with bf16 MatMuls fails to load: '
+               'NOT_IMPLEMENTED), its only bf16 option, mlas.enable_gemm_fastmath_arm64_bfloat16, '
+               'is for ARM64 CPUs, and fp16 MatMuls are no faster than fp32. Use OpenVINO bf16, '
+               'eager PyTorch bf16, or onnxruntime fp32 / int8')
 
 
 class RuntimeModel:
-    """``__call__(image: np.ndarray [1, 3, H, W] float32) -> list of np.ndarray``."""
+    """``__call__(image: np.ndarray [1, 3, H, W] float32) -> list of np.ndarray``;
+    ``precision``: 'fp32', 'bf16' or 'int8' (what :func:`load_runtime_model` loaded)."""
+
+    precision = 'fp32'
 
     def __init__(self, runtime: str, path: str, threads: int):
         self.runtime, self.path, self.threads = runtime, path, threads
@@ -61,6 +78,7 @@ class OpenVINOModel(RuntimeModel):
             config['INFERENCE_NUM_THREADS'] = threads
         self.compiled = core.compile_model(core.read_model(path), 'CPU', config)
         self.request = self.compiled.create_infer_request()
+        self.precision = 'bf16' if bf16 else 'fp32'
 
     def __call__(self, image: np.ndarray) -> List[np.ndarray]:
         self.request.infer({0: np.ascontiguousarray(image)})
@@ -74,30 +92,61 @@ def check_runtime(runtime: str) -> str:
     return runtime
 
 
-def artifact_path(out_dir: str, runtime: str, int8: bool) -> str:
-    """Where ``tools/export_onnx.py`` writes each form."""
+def resolve_precision(precision: Optional[str] = None, int8: bool = False,
+                      bf16: bool = False) -> str:
+    """The one precision of ``precision`` and the older ``int8=`` / ``bf16=`` flags (either
+    form works; contradicting each other is an error)."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f'unknown precision {precision!r}; valid: {", ".join(PRECISIONS)}')
+    if int8 and bf16:
+        raise ValueError('int8 and bf16 exclude each other: bf16 runs the fp32 export in '
+                         'OpenVINO (INFERENCE_PRECISION_HINT), INT8 is its own precision')
+    flagged = 'int8' if int8 else 'bf16' if bf16 else None
+    if precision is not None and flagged is not None and precision != flagged:
+        raise ValueError(f'precision={precision!r} contradicts {flagged}=True')
+    return precision or flagged or 'fp32'
+
+
+def check_runtime_precision(runtime: str, precision: str) -> str:
+    """``precision`` if ``runtime`` offers it; ValueError with the reason otherwise."""
     check_runtime(runtime)
+    precision = resolve_precision(precision)
+    if precision == 'bf16' and runtime == 'onnxruntime':
+        raise ValueError('bf16 runs the fp32 export in OpenVINO (INFERENCE_PRECISION_HINT); '
+                         + ORT_NO_BF16)
+    return precision
+
+
+def artifact_path(out_dir: str, runtime: str, int8: bool) -> str:
+    """Where ``tools/export_onnx.py`` writes each form (``int8``: a bool, or a precision:
+    only 'int8' has its own artifact; 'bf16' computes the fp32 one in bf16)."""
+    check_runtime(runtime)
+    if isinstance(int8, str):
+        int8 = resolve_precision(int8) == 'int8'
     if runtime == 'onnxruntime':
         return osp.join(out_dir, 'model_int8.onnx' if int8 else 'model.onnx')
     return osp.join(out_dir, 'openvino', 'model_int8.xml' if int8 else 'model.xml')
 
 
 def load_runtime_model(out_dir: str, runtime: str, int8: bool = False,
-                       threads: int = 0, bf16: bool = False) -> RuntimeModel:
-    """The exported model of ``out_dir`` in ``runtime``; ``bf16`` (OpenVINO only): the fp32
-    model computed in bf16."""
-    if bf16 and (runtime != 'openvino' or int8):
-        raise ValueError('bf16 runs the fp32 export in OpenVINO (INFERENCE_PRECISION_HINT); '
-                         'onnxruntime has no bf16 CPU path for these graphs, and INT8 is its '
-                         'own precision')
+                       threads: int = 0, bf16: bool = False,
+                       precision: Optional[str] = None) -> RuntimeModel:
+    """The exported model of ``out_dir`` in ``runtime`` at ``precision`` ('fp32', 'bf16',
+    'int8'; or the older flags ``int8=True`` / ``bf16=True``). bf16 (OpenVINO only, CPUs
+    with bf16 units): the fp32 model computed in bf16."""
+    precision = check_runtime_precision(runtime, resolve_precision(precision, int8, bf16))
+    int8 = precision == 'int8'
     path = artifact_path(out_dir, runtime, int8)
     if not osp.exists(path):
         what = 'INT8 ' if int8 else ''
         raise FileNotFoundError(f'no {what}{runtime} model at {path}; run tools/export_onnx.py '
                                 f'--out {out_dir}' + (' --int8' if int8 else ''))
     if runtime == 'onnxruntime':
-        return OnnxRuntimeModel(path, threads)
-    return OpenVINOModel(path, threads, bf16)
+        model = OnnxRuntimeModel(path, threads)
+    else:
+        model = OpenVINOModel(path, threads, bf16=precision == 'bf16')
+    model.precision = precision
+    return model
 
 
 def convert_to_openvino(onnx_path: str, out_dir: str) -> str:

@@ -7,9 +7,10 @@ import platform
 import re
 from typing import Dict, List
 
-import torch
-
 from .allocator import allocator_info
+
+# torch is imported where it is used: the CPU feature checks (``has_bf16``, ``require_bf16``)
+# serve the torch-free predictor too (``python -m mmslab.deploy.predict``).
 
 # The ISA extensions that decide which CPU kernels PyTorch / onnxruntime / OpenVINO pick.
 _ISA_FLAGS = ('avx2', 'fma', 'avx512f', 'avx512_vnni', 'avx512_bf16', 'amx_tile', 'amx_int8',
@@ -42,6 +43,7 @@ def isa_level(flags: List[str]) -> str:
 
 def blas_backend() -> str:
     """The BLAS PyTorch was built with (MKL, OpenBLAS, ...), from its build configuration."""
+    import torch
     config = torch.__config__.show()
     m = re.search(r'BLAS_INFO=(\w+)', config)
     if m:
@@ -67,6 +69,7 @@ def require_bf16(what: str) -> None:
 
 
 def machine_info() -> dict:
+    import torch
     info = _cpuinfo()
     flags = [f for f in info.get('flags', '').split() if f in _ISA_FLAGS]
     return dict(cpu=info.get('model name', platform.processor() or 'unknown'),

@@ -122,9 +122,16 @@ class RuntimeBackendHook(Hook):
         export_dir: the directory written by ``tools/export_onnx.py`` (``export.json`` tells
             the part and the static input shape).
         runtime: 'onnxruntime' or 'openvino'.
-        int8: run the INT8 artifact (``model_int8.onnx`` / ``openvino/model_int8.xml``).
+        int8: run the INT8 artifact (``model_int8.onnx`` / ``openvino/model_int8.xml``);
+            the same as ``precision='int8'``.
         threads: runtime threads (0: the runtime's default).
-        bf16: OpenVINO computes the fp32 model in bf16 (CPUs with bf16 units only).
+        bf16: OpenVINO computes the fp32 model in bf16 (CPUs with bf16 units only); the same
+            as ``precision='bf16'``.
+        precision: 'fp32', 'bf16', 'int8' or 'auto': time the fp32 model and, in OpenVINO on
+            a CPU with bf16 units, its bf16 form on the first test image and run the one
+            that is at least ``AUTO_MARGIN`` times faster (never INT8, see
+            :mod:`mmslab.utils.precision`). :attr:`precision` is what runs (after the test
+            epoch began, for 'auto'), :attr:`auto_record` the measurement.
 
     Its priority (HIGH) is below ``ReparamEvalHook`` (VERY_HIGH), which swaps in the fused
     copy first; the methods are patched on that copy, so ``ReparamEvalHook``'s equivalence
@@ -134,25 +141,79 @@ class RuntimeBackendHook(Hook):
     priority = 'HIGH'
 
     def __init__(self, export_dir: str, runtime: str = 'onnxruntime', int8: bool = False,
-                 threads: int = 0, bf16: bool = False):
-        from mmslab.deploy.runtimes import check_runtime
+                 threads: int = 0, bf16: bool = False, precision: Optional[str] = None):
+        from mmslab.deploy.runtimes import (check_runtime, check_runtime_precision,
+                                            resolve_precision)
         self.export_dir = export_dir
         self.runtime = check_runtime(runtime)
-        self.int8 = int8
-        self.bf16 = bf16
+        if precision == 'auto':
+            if int8 or bf16:
+                raise ValueError("precision='auto' contradicts int8=True / bf16=True")
+            self.requested = 'auto'
+            self.precision = 'fp32'  # until the measurement (before the test epoch)
+        else:
+            self.requested = self.precision = check_runtime_precision(
+                runtime, resolve_precision(precision, int8, bf16))
+        self.auto_record: Optional[dict] = None
         self.threads = threads
         self.info = read_export_info(export_dir)
         self.part = self.info['part']
         self._runtime_model = None
         self._patched: Optional[Tuple[nn.Module, dict, dict]] = None
 
+    @property
+    def int8(self) -> bool:
+        return self.precision == 'int8'
+
+    @property
+    def bf16(self) -> bool:
+        return self.precision == 'bf16'
+
     # -- patching ---------------------------------------------------------------------------
     def _load(self):
         if self._runtime_model is None:
             from mmslab.deploy.runtimes import load_runtime_model
-            self._runtime_model = load_runtime_model(self.export_dir, self.runtime, self.int8,
-                                                     self.threads, self.bf16)
+            self._runtime_model = load_runtime_model(self.export_dir, self.runtime,
+                                                     threads=self.threads,
+                                                     precision=self.precision)
         return self._runtime_model
+
+    def _choose_precision(self, runner, model: nn.Module) -> None:
+        """``auto``: fp32 against (OpenVINO, CPU with bf16 units) bf16 on the first test
+        image, preprocessed and padded as the test loop feeds it; every rank takes rank 0's
+        choice."""
+        from mmengine.dist import broadcast_object_list
+
+        from mmslab.deploy.runtimes import load_runtime_model
+        from mmslab.utils.machine import has_bf16
+        from mmslab.utils.precision import auto_precision, first_test_batch
+        why_not = None
+        if self.runtime != 'openvino':
+            from mmslab.deploy.runtimes import ORT_NO_BF16
+            why_not = ORT_NO_BF16.split(': ')[0]
+        elif not has_bf16():
+            why_not = 'this CPU has neither avx512_bf16 nor amx_bf16'
+        models = {}
+        if why_not is None:
+            models = {p: load_runtime_model(self.export_dir, self.runtime, threads=self.threads,
+                                            precision=p) for p in ('fp32', 'bf16')}
+            shape = None if self.info.get('dynamic') else self.info['shape']
+            with torch.no_grad():
+                data = model.data_preprocessor(first_test_batch(runner), False)
+            image = RuntimePart(None, shape)._input(data['inputs'][:1])
+            record = auto_precision({p: (lambda m=m: m(image)) for p, m in models.items()},
+                                    True)
+            record['what'] = (f"the {self.runtime} model on the first test image "
+                              f"({'x'.join(map(str, image.shape[-2:]))})")
+        else:
+            record = auto_precision({}, False, why_not)
+        shared = [record]
+        broadcast_object_list(shared, src=0)
+        self.auto_record = record = shared[0]
+        self.precision = record['choice']
+        self._runtime_model = models.get(self.precision)  # None: loaded by _load
+        runner.logger.info(f"RuntimeBackendHook: auto chose {self.precision}: "
+                           f"{record['reason']}")
 
     def _replacements(self, model: nn.Module) -> dict:
         is_segmentor = hasattr(model, 'decode_head')
@@ -238,6 +299,8 @@ class RuntimeBackendHook(Hook):
 
     def _enter(self, runner) -> None:
         model = _unwrap(runner.model)
+        if self.requested == 'auto' and self.auto_record is None:
+            self._choose_precision(runner, model)
         replacements = self._replacements(model)
         saved = {name: vars(model)[name] for name in replacements if name in vars(model)}
         for name, fn in replacements.items():
@@ -246,7 +309,7 @@ class RuntimeBackendHook(Hook):
         shape = 'dynamic' if self.info.get('dynamic') else 'x'.join(map(str, self.info['shape']))
         runner.logger.info(
             f"RuntimeBackendHook: part '{self.part}' runs in {self.runtime} "
-            f"({'INT8' if self.int8 else 'bf16' if self.bf16 else 'fp32'}, "
+            f"({'INT8' if self.int8 else self.precision}, "
             f"{self._runtime_model.path}, input {shape}); "
             f'the rest of {type(model).__name__} in PyTorch')
 
