@@ -18,7 +18,7 @@ import torch
 from mmengine.utils import ProgressBar
 
 import mmslab
-from mmslab.benchmark import measure_interleaved, parse_shape, summarize
+from mmslab.benchmark import first_call_timed, measure_interleaved, parse_shape, summarize
 from mmslab.models.layers.window_attention import window_softmax_choices
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
 from mmslab.utils.machine import machine_info, machine_line
@@ -66,7 +66,8 @@ def main(argv=None):
     p.add_argument('--warmup', type=int, default=1)
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--compile', action='store_true',
-                   help='add torch.compile of the fused RePa/PRepBN Swin-T (separate rows)')
+                   help='add torch.compile of the fused RePa/PRepBN Swin-T (separate rows, with '
+                   'the compile time and the compiled / eager ratio)')
     add_allocator_argument(p)
     p.add_argument('--out', default='work_dirs/speed')
     args = p.parse_args(argv)
@@ -79,9 +80,14 @@ def main(argv=None):
             models[name + ' +compile'] = torch.compile(models[name])
     shapes = [parse_shape(s) for s in args.shapes]
     bar = ProgressBar(len(shapes) * len(models) * args.repeat)
-    results = {}
+    results, first_calls = {}, []
     for shape in shapes:
         x = torch.randn(1, 3, *shape)
+        for name in [n for n in models if n.endswith(' +compile')]:
+            # the compilation (static graph at the first shape, dynamic at the second), timed
+            # apart from the latency
+            first_calls.append(dict(variant=name, shape='x'.join(map(str, shape)),
+                                    **first_call_timed(models[name], x)))
         fns = {name: (lambda m=m: m(x)) for name, m in models.items()}
         times = measure_interleaved(fns, args.repeat, args.warmup, bar.update)
         results['x'.join(map(str, shape))] = {k: summarize(v) for k, v in times.items()}
@@ -99,9 +105,18 @@ def main(argv=None):
                 mark = '' if target is None else (' (target >= %.2f: %s)' % (
                     target, 'met' if value >= target else 'NOT met'))
                 print(f'  {num} / {den}: {value:.2f}x{mark}')
+    for run in first_calls:
+        res = results[run['shape']]
+        run['compiled_over_eager'] = (res[run['variant']]['median_ms'] /
+                                      res[run['variant'][:-len(' +compile')]]['median_ms'])
+        print(f"  {run['variant']} at {run['shape']}: x{run['compiled_over_eager']:.2f} of eager;"
+              f" first call {run['first_call_s']:.1f} s, {run['graphs_compiled']} graph(s) "
+              "compiled")
     report = dict(machine=machine_info(), threads=args.threads, repeat=args.repeat,
                   torch=torch.__version__, results=results, ratios=ratios,
                   window_softmax=window_softmax_choices())
+    if first_calls:
+        report['compile'] = first_calls
     print(f"\nmachine: {machine_line(report['machine'])}")
     for shape, choice in report['window_softmax'].items():
         print(f"  window softmax {shape}: sdpa {choice['sdpa_ms']:.2f} ms, matmul "

@@ -74,6 +74,18 @@ def measure_interleaved(fns: Dict[str, Callable[[], object]], repeat: int, warmu
     return times
 
 
+def first_call_timed(fn: Callable, x: torch.Tensor) -> dict:
+    """Seconds of the first call of a ``torch.compile``-d function at this input (the
+    compilation, if one happens there) and the number of graphs dynamo compiled during it.
+    Runs under ``inference_mode`` like :func:`measure_interleaved` (the grad mode is part of
+    a compiled graph's guards)."""
+    from torch._dynamo.utils import counters
+    before = counters['stats']['unique_graphs']
+    with torch.inference_mode():
+        seconds = timed_ms(lambda: fn(x))[1] / 1000.0
+    return dict(first_call_s=seconds, graphs_compiled=counters['stats']['unique_graphs'] - before)
+
+
 def summarize(ms: Sequence[float]) -> dict:
     """The benchmark tools' summary of repeated runs."""
     s = latency_stats(ms)

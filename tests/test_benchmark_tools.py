@@ -45,6 +45,29 @@ def test_benchmark_tool_writes_json_and_plot(tiny_config, tmp_path):
     assert {c['impl'] for c in saved['window_softmax'].values()} <= {'sdpa', 'matmul'}
 
 
+def test_benchmark_tool_times_compiled_fused_backbone_next_to_eager(tiny_config, tmp_path):
+    # dynamo's eager backend: the graphs are counted and timed, nothing is code-generated
+    import torch._dynamo
+    torch._dynamo.reset()  # no automatic-dynamic state from an earlier compilation
+    report = load_script('tools/benchmark.py').main(
+        [tiny_config, '--shapes', '64x64', '128x128', '96x96', '--parts', 'backbone',
+         '--repeat', '1', '--warmup', '0', '--compile', '--compile-backend', 'eager',
+         '--out', str(tmp_path / 'bench')])
+    compiled = 'tiny_repa (fused, torch.compile)'
+    assert {r['variant'] for r in report['results']} == {
+        'tiny_repa (fused)', 'tiny_repa (unfused)', compiled}
+    runs = report['compile']['first_calls']
+    assert [r['shape'] for r in runs] == [[64, 64], [128, 128], [96, 96]]
+    assert all(r['variant'] == compiled and r['eager_variant'] == 'tiny_repa (fused)'
+               for r in runs)
+    assert all(r['median_ms'] > 0 and r['eager_median_ms'] > 0 and r['first_call_s'] > 0
+               for r in runs)
+    # a static graph, one dynamic graph at the second size, none after: no per-stage graphs
+    assert [r['graphs_compiled'] for r in runs] == [1, 1, 0]
+    with open(tmp_path / 'bench' / 'benchmark.json') as f:
+        assert json.load(f)['compile']['backend'] == 'eager'
+
+
 def test_benchmark_rejects_bad_shapes(tiny_config, tmp_path):
     with pytest.raises(ValueError, match='HEIGHTxWIDTH'):
         load_script('tools/benchmark.py').main(

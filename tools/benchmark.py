@@ -2,13 +2,18 @@
 
     python tools/benchmark.py CONFIG [--checkpoint CKPT] [--shapes 512x512 800x1344]
         [--repeat 5] [--warmup 2] [--threads 2] [--baseline CONFIG ...] [--parts backbone model]
-        [--compile] --out DIR
+        [--compile [--compile-dynamic] [--compile-backend inductor]] --out DIR
 
 For every input shape it times, at batch 1, the backbone alone and the whole model
 (``mode='predict'``: forward + post-processing, no data loading) of: the fused model
 (``mmslab.reparameterize``), the unfused model, and each baseline config (as is). Calls of
 all variants are interleaved so machine noise hits them alike. Prints a table of medians
 and ratios, writes ``benchmark.json`` and ``benchmark.png`` (latency against input size).
+
+``--compile`` adds ``torch.compile`` of every fused backbone (the config's and the LayerNorm
+control's) as rows of their own, timed in the same rotation as their eager forms; the first
+call at each shape (the compilation: a static graph at the first shape, one graph for all
+sizes at the second) is timed separately and reported with the number of graphs compiled.
 """
 import argparse
 import json
@@ -25,8 +30,8 @@ from mmslab.models.layers.window_attention import window_softmax_choices
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
 from mmslab.utils.machine import machine_info, machine_line
 from mmslab.utils.plotting import saved_figure
-from mmslab.benchmark import (fused_copy, make_runners, measure_interleaved,
-                              parse_shape, summarize)
+from mmslab.benchmark import (fake_batch, first_call_timed, fused_copy, make_runners,
+                              measure_interleaved, parse_shape, summarize)
 
 
 def parse_args(argv=None):
@@ -46,7 +51,14 @@ def parse_args(argv=None):
     p.add_argument('--parts', nargs='+', default=['backbone', 'model'],
                    choices=['backbone', 'model'])
     p.add_argument('--compile', action='store_true',
-                   help='also time torch.compile of the fused backbone (reported separately)')
+                   help='also time torch.compile of the fused backbones (the config\'s and the '
+                   'LN control\'s), next to their eager forms, with the compile time')
+    p.add_argument('--compile-backend', default='inductor',
+                   help='torch.compile backend (default inductor)')
+    p.add_argument('--compile-dynamic', action='store_true',
+                   help='compile with dynamic=True: one graph for every size from the first '
+                   'call (default: a static graph at the first shape, a dynamic one at the '
+                   'second, as torch.compile does)')
     p.add_argument('--cfg-options', nargs='+', action=DictAction)
     add_allocator_argument(p)
     p.add_argument('--out', required=True, help='output directory')
@@ -108,19 +120,27 @@ def main(argv=None):
             variants[f'{name} with {base} backbone (LN control, fused)'] = fused_copy(baseline)
         else:
             variants[f'{name} with {base} backbone (LN)'] = baseline
-    compiled = None
+    compiled = {}
     if args.compile:
-        compiled = torch.compile(variants[f'{name} (fused)'].backbone)
+        for key in [k for k in variants if k.endswith(('(fused)', ', fused)'))]:
+            compiled[key[:-1] + ', torch.compile)'] = torch.compile(
+                variants[key].backbone, backend=args.compile_backend,
+                dynamic=True if args.compile_dynamic else None)
 
-    total = len(shapes) * len(args.parts) * args.repeat * (len(variants) + bool(compiled))
+    n_backbone = len(variants) + len(compiled)
+    total = len(shapes) * args.repeat * sum(
+        n_backbone if part == 'backbone' else len(variants) for part in args.parts)
     bar = ProgressBar(total)
-    results = []
+    results, compile_runs = [], []
     for shape in shapes:
         for part in args.parts:
             fns = {k: make_runners(m, shape, part) for k, m in variants.items()}
-            if compiled is not None and part == 'backbone':
-                x = torch.randn(1, 3, -(-shape[0] // 32) * 32, -(-shape[1] // 32) * 32)
-                fns[f'{name} (fused, torch.compile)'] = lambda x=x: compiled(x)
+            if compiled and part == 'backbone':
+                x = fake_batch(variants[f'{name} (fused)'], shape)[0]
+                for key, fn in compiled.items():
+                    compile_runs.append(dict(variant=key, shape=list(shape),
+                                             **first_call_timed(fn, x)))
+                    fns[key] = lambda fn=fn, x=x: fn(x)
             times = measure_interleaved(fns, args.repeat, args.warmup, bar.update)
             for k, ms in times.items():
                 results.append(dict(variant=k, part=part, shape=list(shape), **summarize(ms),
@@ -131,12 +151,29 @@ def main(argv=None):
                   repeat=args.repeat, warmup=args.warmup, torch=torch.__version__,
                   results=results, ratios=ratios(results, name),
                   window_softmax=window_softmax_choices())
+    if compiled:
+        report['compile'] = dict(backend=args.compile_backend, dynamic=args.compile_dynamic,
+                                 first_calls=with_eager_times(compile_runs, results))
     print_table(report, name)
     with open(osp.join(args.out, 'benchmark.json'), 'w') as f:
         json.dump(report, f, indent=2)
     plot(report, osp.join(args.out, 'benchmark.png'))
     print(f'wrote {osp.join(args.out, "benchmark.json")} and benchmark.png')
     return report
+
+
+def with_eager_times(compile_runs, results):
+    """Each compiled backbone's first call with its median and its eager form's, same shape."""
+    index = {(r['variant'], tuple(r['shape'])): r['median_ms'] for r in results
+             if r['part'] == 'backbone'}
+    out = []
+    for run in compile_runs:
+        shape = tuple(run['shape'])
+        eager = run['variant'].replace(', torch.compile)', ')')
+        ms, eager_ms = index[(run['variant'], shape)], index[(eager, shape)]
+        out.append(dict(run, eager_variant=eager, median_ms=ms, eager_median_ms=eager_ms,
+                        compiled_over_eager=ms / eager_ms))
+    return out
 
 
 def ratios(results, name):
@@ -165,6 +202,12 @@ def print_table(report, name):
         print('  '.join(c.ljust(w) for c, w in zip(row, widths)))
     print(f"({machine_line(report['machine'])}, median of {report['repeat']} interleaved "
           "runs; 'x fused' = variant latency / fused latency)")
+    for run in report.get('compile', {}).get('first_calls', []):
+        print(f"{run['variant']} at {'x'.join(map(str, run['shape']))}: "
+              f"{run['median_ms']:.1f} ms vs eager {run['eager_median_ms']:.1f} ms "
+              f"(x{run['compiled_over_eager']:.2f}); first call {run['first_call_s']:.1f} s, "
+              f"{run['graphs_compiled']} graph(s) compiled (backend "
+              f"{report['compile']['backend']})")
 
 
 def plot(report, path):

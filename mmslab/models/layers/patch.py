@@ -9,7 +9,8 @@ from torch import Tensor
 from .affine import FoldableNorm, fold_affine_into_next_linear, fold_affine_into_prev
 from .builder import build_norm, is_foldable_norm
 from .deploy import Reparameterizable
-from .symbolic import as_size, ceil_div, symbolic_shapes_enabled
+from .symbolic import (ceil_div, compiling, graph_size, size_max,
+                       symbolic_shapes_enabled)
 
 
 class _NormFoldingLayer(Reparameterizable, nn.Module):
@@ -69,11 +70,19 @@ class PatchEmbed(_NormFoldingLayer):
         # zero where Python floors, and the padding would be lost (static-shape export).
         # (Dynamic-size export: traced sizes; they are non-negative, so ceil_div is exact.)
         k, s = self.patch_size, self.stride
+        # Channels-last conv output makes the [B, H*W, C] tokens a contiguous view: every
+        # later Linear and residual add then runs on contiguous memory. Converted before
+        # padding (which keeps the layout): converting the padded image costs more, 3x under
+        # torch.compile with a symbolic padding.
+        x = x.contiguous(memory_format=torch.channels_last)
+        # (torch.compile: dynamo's symbolic sizes, the same formula without a branch.)
         if symbolic_shapes_enabled():
             if self.adaptive_padding:
-                h, w = as_size(x.shape[-2], x.device), as_size(x.shape[-1], x.device)
-                pad_h = ((ceil_div(h, s) - 1) * s + k - h).clamp(min=0)
-                pad_w = ((ceil_div(w, s) - 1) * s + k - w).clamp(min=0)
+                h, w = graph_size(x.shape[-2], x.device), graph_size(x.shape[-1], x.device)
+                pad_h = (ceil_div(h, s) - 1) * s + k - h
+                pad_w = (ceil_div(w, s) - 1) * s + k - w
+                if k < s:  # (never negative otherwise; simpler symbolic sizes downstream)
+                    pad_h, pad_w = size_max(pad_h, 0), size_max(pad_w, 0)
                 x = F.pad(x, (0, pad_w, 0, pad_h))
         else:
             h, w = int(x.shape[-2]), int(x.shape[-1])
@@ -81,9 +90,7 @@ class PatchEmbed(_NormFoldingLayer):
             pad_w = max((-(-w // s) - 1) * s + k - w, 0)
             if self.adaptive_padding and (pad_h or pad_w):
                 x = F.pad(x, (0, pad_w, 0, pad_h))
-        # Channels-last conv output makes the [B, H*W, C] tokens a contiguous view: every
-        # later Linear and residual add then runs on contiguous memory.
-        x = self.projection(x.contiguous(memory_format=torch.channels_last))
+        x = self.projection(x)
         b, c, h, w = x.shape
         x = x.permute(0, 2, 3, 1).reshape(b, h * w, c)
         return self.norm(x), (h, w)
@@ -124,7 +131,11 @@ class PatchMerging(_NormFoldingLayer):
 
     def _offset_major_copy(self, name: str, t: Tensor) -> Tensor:
         """``t`` with its last dim (``4*C``) permuted from unfold's ``(C, 2, 2)`` order to
-        ``(2, 2, C)``; cached until ``t`` changes."""
+        ``(2, 2, C)``; cached until ``t`` changes (computed in the graph under
+        ``torch.compile``, which cannot compare data pointers)."""
+        if compiling():
+            lead, c4 = t.shape[:-1], t.shape[-1]
+            return t.reshape(*lead, c4 // 4, 2, 2).movedim(-3, -1).reshape(*lead, c4)
         key = (t.data_ptr(), t._version, t.dtype, t.device)
         cached = self._offset_major.get(name)
         if cached is None or cached[0] != key:
@@ -145,14 +156,30 @@ class PatchMerging(_NormFoldingLayer):
         if n != h * w:
             raise ValueError(f'input has {n} tokens but hw_shape {hw_shape} has {h * w}')
         x = x.view(b, h, w, c)
-        if symbolic_shapes_enabled():  # traced sizes: pad by 0 or 1 without a branch
-            x = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))
-        elif h % 2 or w % 2:
-            x = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))
-        h2, w2 = x.shape[1] // 2, x.shape[2] // 2
-        if self._offset_major_ready():
-            # [B, h2, 2, w2, 2*C] -> [B, h2, w2, 2, 2*C]: offset-major, moves whole tokens.
-            x = x.view(b, h2, 2, w2, 2 * c).transpose(2, 3).reshape(b, h2 * w2, 4 * c)
+        offset_major = self._offset_major_ready()
+        if compiling():  # symbolic ints: sizes written as ceilings, no branch
+            h2, w2 = ceil_div(h, 2), ceil_div(w, 2)
+            x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))
+            # The 2x2 offsets as four strided slices, concatenated (offset-major) or stacked
+            # (channel-major): inductor's dynamic-shape code for the reshape-transpose of a
+            # padded map below is 20-70x slower than for these at 128x128 tokens.
+            parts = [x[:, i::2, j::2] for i in (0, 1) for j in (0, 1)]
+            x = (torch.cat(parts, -1) if offset_major else torch.stack(parts, -1)).reshape(
+                b, h2 * w2, 4 * c)
+        else:
+            if symbolic_shapes_enabled():  # traced sizes: pad by 0 or 1 without a branch
+                x = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))
+            elif h % 2 or w % 2:
+                x = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))
+            h2, w2 = x.shape[1] // 2, x.shape[2] // 2
+            if offset_major:
+                # [B, h2, 2, w2, 2*C] -> [B, h2, w2, 2, 2*C]: offset-major, moves whole tokens.
+                x = x.view(b, h2, 2, w2, 2 * c).transpose(2, 3).reshape(b, h2 * w2, 4 * c)
+            else:
+                # [B, h2, 2, w2, 2, C] -> [B, h2, w2, C, 2, 2]: unfold's channel-major order.
+                x = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 5, 2, 4).reshape(
+                    b, h2 * w2, 4 * c)
+        if offset_major:
             if isinstance(self.norm, nn.LayerNorm):
                 x = F.layer_norm(x, self.norm.normalized_shape,
                                  self._offset_major_copy('norm.weight', self.norm.weight),
@@ -160,6 +187,4 @@ class PatchMerging(_NormFoldingLayer):
                                  self.norm.eps)
             weight = self._offset_major_copy('reduction.weight', self.reduction.weight)
             return F.linear(x, weight, self.reduction.bias), (h2, w2)
-        # [B, h2, 2, w2, 2, C] -> [B, h2, w2, C, 2, 2]: unfold's channel-major order.
-        x = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 5, 2, 4).reshape(b, h2 * w2, 4 * c)
         return self.reduction(self.norm(x)), (h2, w2)

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from mmslab.registry import register_model
 from .affine import FoldableNorm
+from .symbolic import compiling
 from .token_bn import bn_affine
 
 #: PRepBN decay length (iterations) of the SLAB authors' ImageNet training, the ``step`` of
@@ -109,6 +110,9 @@ class PRepBN(FoldableNorm):
         self.register_buffer('schedule_offset', torch.tensor(0.0, dtype=torch.float64))
         # Set by set_iter(); a training forward without it means nothing drives the schedule.
         self._schedule_driven = False
+        # The schedule as set_iter() evaluated it, read under torch.compile (see
+        # _compiled_schedule): the branch taken, and g as a 0-d tensor filled in place.
+        self._phase, self._g = 'ln', None
 
     def set_iter(self, cur_iter: int) -> None:
         """Set the training iteration the schedule is evaluated at (called once per iteration)."""
@@ -116,6 +120,21 @@ class PRepBN(FoldableNorm):
             return
         self.cur_iter.fill_(int(cur_iter))
         self._schedule_driven = True
+        g = self.ratio
+        self._phase = 'ln' if g >= 1.0 else 'bn' if g <= 0.0 else 'mix'
+        if self._g is None or self._g.device != self.cur_iter.device:
+            self._g = torch.tensor(g, dtype=torch.float32, device=self.cur_iter.device)
+        else:
+            self._g.fill_(g)  # in place: a compiled graph keeps reading the same tensor
+
+    def _compiled_schedule(self) -> Tuple[str, object]:
+        """``(branch, g)`` of a training forward traced by ``torch.compile``, as the last
+        :meth:`set_iter` evaluated them. Reading the schedule buffers (:attr:`ratio`) there
+        would break the graph at every norm, and a Python ``g`` would be a constant of the
+        graph (a recompilation every iteration); ``g`` is a tensor instead and the branch a
+        Python value, so a compiled model gets a new graph only where the branch changes
+        (end of warm-up, end of the decay)."""
+        return self._phase, (self._g if self._phase == 'mix' else float(self._phase == 'ln'))
 
     def reset_schedule(self) -> None:
         """Start the schedule from scratch (g = r0 again) at the next set_iter()."""
@@ -148,7 +167,11 @@ class PRepBN(FoldableNorm):
                     'PRepBN is training but nothing sets its schedule. Add '
                     "custom_hooks=[dict(type='ProgressiveNormHook')] to the config, or call "
                     'mmslab.set_progressive_iter(model, it) before each training iteration.')
-            g = self.ratio
+            if compiling():
+                branch, g = self._compiled_schedule()
+            else:
+                g = self.ratio
+                branch = 'ln' if g >= 1.0 else 'bn' if g <= 0.0 else 'mix'
             # At g = 1 (warm-up) or g = 0 (finished) one branch has weight 0 and is not
             # computed. DDP (find_unused_parameters=False) aborts when a parameter gets no
             # gradient, so under a multi-process group the idle branch's parameters enter the
@@ -160,7 +183,7 @@ class PRepBN(FoldableNorm):
             keep = self.keep_idle_in_graph
             if keep is None:
                 keep = _multi_process()
-            if g >= 1.0:
+            if branch == 'ln':
                 # warm-up: pure LayerNorm, BN statistics untouched
                 ln, anchor = self.norm1, _zero_anchor(self.norm2) if keep else None
                 if anchor is None or ln.weight is None:
@@ -168,7 +191,7 @@ class PRepBN(FoldableNorm):
                 else:
                     y = F.layer_norm(x, ln.normalized_shape, ln.weight + anchor, ln.bias,
                                      ln.eps)
-            elif g <= 0.0:
+            elif branch == 'bn':
                 # schedule finished: skip the LayerNorm branch
                 y = self.norm2.forward_train(
                     x, alpha_offset=_zero_anchor(self.norm1) if keep else None)

@@ -7,7 +7,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from .builder import build_window_attention
-from .symbolic import ceil_div, graph_size, symbolic_shapes_enabled
+from .symbolic import ceil_div, compiling, graph_size, symbolic_shapes_enabled
 from .window_attention import attention_layout
 
 
@@ -28,7 +28,9 @@ class ShiftWindowAttention(nn.Module):
     padding masks are constants cached per input size. Exported graphs run ``qkv`` on the
     tokens instead and gather the windows from them plus one appended padded row; inside
     :func:`~mmslab.models.layers.symbolic.symbolic_shapes` (dynamic-size export) the gather
-    indices and the shift mask are computed from the runtime size in the graph.
+    indices and the shift mask are computed from the runtime size in the graph, and so they
+    are under ``torch.compile`` (one graph for every input size; windows gathered before
+    ``qkv`` there, as eager).
 
     Shape: ``[B, H*W, C]`` with ``hw_shape=(H, W)`` -> ``[B, H*W, C]``.
     """
@@ -187,6 +189,21 @@ class ShiftWindowAttention(nn.Module):
             out = out[bidx, pidx].view(b, n, c)
         return kernel.proj_drop(kernel.proj(out))
 
+    def _compiled_windows(self, x: Tensor, gather: Tensor, valid: Tensor) -> Tensor:
+        """``[B, nW*N, 3C]`` window slots under ``torch.compile``, in eager's order: the
+        ``C``-channel tokens gathered (a third of the data of ``qkv``'s output), then ``qkv``.
+        A padded slot gathers a zero row, whose ``qkv`` output is the qkv bias: the padded
+        value, except after a folded norm (``qkv_pad``, put in place here) or for kernels that
+        mask padding (any value)."""
+        kernel = self.w_msa
+        b, c = x.shape[0], x.shape[-1]
+        rows = torch.cat([x, x.new_zeros(1, 1, c).expand(b, 1, c)], dim=1)
+        windows = kernel.qkv(rows.index_select(1, gather))
+        if kernel.qkv_pad is not None and not kernel.masks_padding:
+            windows = torch.where(valid.reshape(1, -1, 1), windows,
+                                  kernel.qkv_pad.to(windows.dtype))
+        return windows
+
     # -- shape-generic path (dynamic-size export, torch.compile) -------------------------------
     def _forward_symbolic(self, x: Tensor, hw_shape) -> Tensor:
         """:meth:`forward` with every size-dependent quantity computed from ``hw_shape`` in
@@ -209,8 +226,8 @@ class ShiftWindowAttention(nn.Module):
             shrunk = fits & ((h != wh) | (w != ww))  # the shift stays on a full window
             wh, ww = torch.where(fits, h, wh), torch.where(fits, w, ww)
             s = torch.where(shrunk, 0, s)
-        hp, wp = ceil_div(h, wh) * wh, ceil_div(w, ww) * ww
-        nwh, nww = hp // wh, wp // ww
+        nwh, nww = ceil_div(h, wh), ceil_div(w, ww)
+        hp, wp = nwh * wh, nww * ww
         # padded-frame coordinates of every window slot, window-major: [nWh, nWw, wh, ww]
         row = (torch.arange(nwh, device=dev).view(-1, 1, 1, 1) * wh +
                torch.arange(wh, device=dev).view(1, 1, -1, 1))
@@ -235,9 +252,12 @@ class ShiftWindowAttention(nn.Module):
             windows = torch.cat([x, pad], dim=1).index_select(1, gather).reshape(-1, n, c)
             out = kernel.attend_tokens(windows, shift_mask)
         else:
-            tokens = kernel.qkv(x)  # [B, H*W, 3C]
-            pad = self._pad_row(kernel, tokens).expand(tokens.shape[0], 1, 3 * c)
-            windows = torch.cat([tokens, pad], dim=1).index_select(1, gather)
+            if compiling():
+                windows = self._compiled_windows(x, gather, valid)
+            else:
+                tokens = kernel.qkv(x)  # [B, H*W, 3C]
+                pad = self._pad_row(kernel, tokens).expand(tokens.shape[0], 1, 3 * c)
+                windows = torch.cat([tokens, pad], dim=1).index_select(1, gather)
             out = kernel.attend(windows.reshape(-1, n, 3 * c), nwh * nww, (wh, ww),
                                 shift_mask=shift_mask,
                                 valid=valid.reshape(-1, n) if kernel.masks_padding else None)

@@ -23,7 +23,7 @@ from torch import Tensor
 from mmslab.registry import register_model
 from .affine import fold_affine_into_next_linear
 from .deploy import Reparameterizable
-from .symbolic import symbolic_shapes_enabled
+from .symbolic import compiling, symbolic_shapes_enabled
 
 
 #: How exported graphs lay out window attention (see :func:`exported_attention_layout`).
@@ -263,6 +263,8 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
     def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
                shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
                cache_key=None) -> Tensor:
+        if compiling():
+            return self._attend_compiled(qkv, shift_mask)
         if symbolic_shapes_enabled():
             return self._attend_symbolic(qkv, shift_mask)
         bw, n = int(qkv.shape[0]), int(qkv.shape[1])  # constants under tracing (see caller)
@@ -277,6 +279,21 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
             impl = choose_window_softmax(q, k, v, mask, self.scale)
             out = WINDOW_SOFTMAX_IMPLS[impl](q, k, v, mask, self.scale)
         return out.transpose(1, 2)  # [B', N, heads, d] view; the caller gathers it
+
+    def _attend_compiled(self, qkv: Tensor, shift_mask: Optional[Tensor]) -> Tensor:
+        """:meth:`attend` under ``torch.compile``, for any number of windows: PyTorch's fused
+        attention (attention dropout in training, as eager) on a 4-D bias (+ shift mask)
+        computed in the graph (no per-size cache)."""
+        n = self.window_size[0] * self.window_size[1]
+        q, k, v = qkv.reshape(-1, n, 3, self.num_heads, self.head_dims).permute(2, 0, 3, 1, 4)
+        mask = self.position_bias().to(q.dtype).unsqueeze(0)  # [1, heads, N, N]
+        if shift_mask is not None:
+            mask = mask + shift_mask.to(q.dtype).unsqueeze(1)  # [nW, heads, N, N]
+        mask = mask.unsqueeze(0).expand(q.shape[0] // mask.shape[0], -1, -1, -1, -1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask.reshape(-1, self.num_heads, n, n), scale=self.scale,
+            dropout_p=self.attn_drop if self.training else 0.0)
+        return out.transpose(1, 2)
 
     def _attend_symbolic(self, qkv: Tensor, shift_mask: Optional[Tensor]) -> Tensor:
         """:meth:`attend` for any number of windows (dynamic-size export): matmul + softmax
