@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import load_tool, make_photo_coco
+from tool_runs import exit_message
 from test_tools_e2e import (TOOLS, det_config, demo_data,  # noqa: F401
                             parse_metrics, run_tool, tiny_prepbn_swin_config, write_config)
 
@@ -321,15 +322,6 @@ def test_static_export_pads_and_refuses_larger_inputs(exported, tmp_path):
 # errors and trust
 # ----------------------------------------------------------------------------------------------
 
-def exit_message(capsys, fn, *args) -> str:
-    """``fn(*args)`` must exit (argparse error or SystemExit('error: ...')): its message."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as err:
-        fn(*args)
-    code = err.value.code
-    return (code if isinstance(code, str) else '') + capsys.readouterr().err
-
-
 def test_backend_refuses_other_checkpoints_and_random_exports(exported, tmp_path, capsys):
     from mmengine.config import Config
     det, seg = exported('det'), exported('seg')
@@ -398,7 +390,6 @@ def test_export_errors(tiny, tmp_path, capsys):
 def test_retinanet_whole_model_through_the_tools(demo_data, tmp_path):
     """RetinaNet (a tiny PRepBN Swin, random weights) exported whole with the defaults and
     evaluated through tools/test.py in onnxruntime: PyTorch's detections."""
-    from mmengine.config import ConfigDict
     from mmengine.runner import save_checkpoint
     from mmslab.datasets import COCO_DEMO_CLASSES
     from mmslab.utils.launch import build_model_from_config

@@ -15,20 +15,13 @@ import torch
 from conftest import load_tool
 from test_deploy import _test, exported, load_predictions, tiny  # noqa: F401
 from test_tools_e2e import demo_data, det_config, seg_config, write_config  # noqa: F401
+from tool_runs import exit_message
 
 from mmslab.utils import machine
 
 needs_bf16 = pytest.mark.skipif(not machine.has_bf16(),
                                 reason='this CPU has neither avx512_bf16 nor amx_bf16')
 NO_BF16_FLAGS = ['fpu', 'avx2', 'fma', 'avx512f', 'avx512_vnni']
-
-
-def exit_message(capsys, fn, *args) -> str:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as err:
-        fn(*args)
-    code = err.value.code
-    return (code if isinstance(code, str) else '') + capsys.readouterr().err
 
 
 def logger():

@@ -22,6 +22,15 @@ STD = [58.395, 57.12, 57.375]
 # helpers
 # ----------------------------------------------------------------------------------------------
 
+def exit_message(capsys, fn, *args) -> str:
+    """``fn(*args)`` must exit (argparse error or SystemExit('error: ...')): its message."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as err:
+        fn(*args)
+    code = err.value.code
+    return (code if isinstance(code, str) else '') + capsys.readouterr().err
+
+
 def run_tool(args, cwd, timeout=300, env=None):
     """Run a command, fail the test with the end of its output if it exits non-zero."""
     full_env = dict(os.environ)
