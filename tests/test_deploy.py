@@ -104,6 +104,9 @@ def test_whole_model_export_report_and_parity(exported, task):
                               'semantic_segmentation')
     assert report['checkpoint_sha256'] == file_sha256(ex['checkpoint'])
     assert report['random_weights'] is False and report['precisions'] == ['fp32', 'int8']
+    # the default attention layout, taken by every softmax window block of the tiny PRepBN Swin
+    assert report['attention']['layout'] == 'split' and report['attention']['split'] > 0
+    assert report['attention']['packed'] == 0 and report['attention']['mmdet_window_msa'] == 0
     assert report['versions']['onnxruntime'] and report['versions']['openvino']
     assert report['pipeline']['resize'] == dict(scale=[96, 96] if task == 'det' else [64, 64],
                                                 keep_ratio=True)
