@@ -122,6 +122,16 @@ class ShiftWindowAttention(nn.Module):
         return kernel.token_pad_value()
 
     @staticmethod
+    def _gather_padded(rows: Tensor, pad: Tensor, index: Tensor) -> Tensor:
+        """``rows [B, T, D]`` with ``pad`` (``D`` values) appended as row ``T``, gathered
+        along the tokens at ``index``: ``[B, len(index), D]``. One Concat + Gather in an
+        exported graph; a masked select or index_put of the padded slots costs runtimes a
+        slow broadcast Where (8 % of onnxruntime's time at 512x512) or an unsupported
+        Reshape."""
+        pad = pad.to(rows.dtype).view(1, 1, -1).expand(rows.shape[0], 1, rows.shape[-1])
+        return torch.cat([rows, pad], dim=1).index_select(1, index)
+
+    @staticmethod
     def _pad_row(kernel, like: Tensor) -> Tensor:
         """``[1, 1, 3C]``: what a padded token is after ``qkv``."""
         pad = kernel.pad_value()
@@ -145,12 +155,12 @@ class ShiftWindowAttention(nn.Module):
         token_pad = self._export_token_pad()
         if token_pad is not None:
             # exported 'split' layout: windows gathered from the C-channel tokens
-            rows = x
-            if not lay['identity'] and lay['pad_slots'].numel():
-                rows = torch.cat([x, token_pad.to(x.dtype).view(1, 1, c).expand(b, 1, c)], 1)
-            if not lay['identity']:
-                rows = rows.index_select(
-                    1, lay['gather_or_pad'] if lay['pad_slots'].numel() else lay['gather'])
+            if lay['identity']:
+                rows = x
+            elif not lay['pad_slots'].numel():
+                rows = x.index_select(1, lay['gather'])
+            else:
+                rows = self._gather_padded(x, token_pad, lay['gather_or_pad'])
             out = kernel.attend_tokens(rows.reshape(b * nw, wh * ww, c), lay['shift_mask'])
         elif lay['identity']:
             windows = kernel.qkv(x)
@@ -158,12 +168,10 @@ class ShiftWindowAttention(nn.Module):
             windows = kernel.qkv(x.index_select(1, lay['gather']))
         elif torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
             # Exported graphs: qkv on the tokens, one padded row appended, one gather (index
-            # h*w is the padded row). Plain Concat + Gather; a masked select or index_put of
-            # the padded slots costs runtimes a slow broadcast Where (8 % of onnxruntime's
-            # time at 512x512) or an unsupported Reshape.
+            # h*w is the padded row).
             tokens = kernel.qkv(x)  # [B, H*W, 3C]
-            pad = self._pad_row(kernel, tokens).expand(b, 1, 3 * c)
-            windows = torch.cat([tokens, pad], dim=1).index_select(1, lay['gather_or_pad'])
+            windows = self._gather_padded(tokens, self._pad_row(kernel, tokens),
+                                          lay['gather_or_pad'])
         else:
             # Gather the C-channel tokens (a third of the data of qkv), then qkv per slot;
             # padded slots are overwritten with the value a padded token has after qkv.
@@ -196,9 +204,7 @@ class ShiftWindowAttention(nn.Module):
         value, except after a folded norm (``qkv_pad``, put in place here) or for kernels that
         mask padding (any value)."""
         kernel = self.w_msa
-        b, c = x.shape[0], x.shape[-1]
-        rows = torch.cat([x, x.new_zeros(1, 1, c).expand(b, 1, c)], dim=1)
-        windows = kernel.qkv(rows.index_select(1, gather))
+        windows = kernel.qkv(self._gather_padded(x, x.new_zeros(x.shape[-1]), gather))
         if kernel.qkv_pad is not None and not kernel.masks_padding:
             windows = torch.where(valid.reshape(1, -1, 1), windows,
                                   kernel.qkv_pad.to(windows.dtype))
@@ -248,16 +254,14 @@ class ShiftWindowAttention(nn.Module):
                                      torch.tensor(0.0, device=dev)).to(x.dtype)
         token_pad = self._export_token_pad()
         if token_pad is not None:  # exported 'split' layout: gather the C-channel tokens
-            pad = token_pad.to(x.dtype).view(1, 1, c).expand(x.shape[0], 1, c)
-            windows = torch.cat([x, pad], dim=1).index_select(1, gather).reshape(-1, n, c)
+            windows = self._gather_padded(x, token_pad, gather).reshape(-1, n, c)
             out = kernel.attend_tokens(windows, shift_mask)
         else:
             if compiling():
                 windows = self._compiled_windows(x, gather, valid)
             else:
                 tokens = kernel.qkv(x)  # [B, H*W, 3C]
-                pad = self._pad_row(kernel, tokens).expand(tokens.shape[0], 1, 3 * c)
-                windows = torch.cat([tokens, pad], dim=1).index_select(1, gather)
+                windows = self._gather_padded(tokens, self._pad_row(kernel, tokens), gather)
             out = kernel.attend(windows.reshape(-1, n, 3 * c), nwh * nww, (wh, ww),
                                 shift_mask=shift_mask,
                                 valid=valid.reshape(-1, n) if kernel.masks_padding else None)
