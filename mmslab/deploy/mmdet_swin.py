@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mmslab.models.layers.symbolic import as_size, ceil_div
+from mmslab.models.layers.window_attention import split_qkv
 
 
 def _adaptive_padding_forward(self, x: Tensor) -> Tensor:
@@ -64,14 +65,7 @@ def _window_msa_split_forward(self, x: Tensor, mask=None) -> Tensor:
     MatMuls with the standard multi-head transposes and the scale folded into q; the same
     function as mmdet's."""
     b, n, c = x.shape
-    heads = self.num_heads
-    d = c // heads
-    w_q, w_k, w_v = self.qkv.weight.chunk(3)
-    b_q, b_k, b_v = self.qkv.bias.chunk(3) if self.qkv.bias is not None else (None, ) * 3
-    q = F.linear(x, w_q * self.scale, None if b_q is None else b_q * self.scale)
-    q = q.reshape(b, n, heads, d).transpose(1, 2)  # [B, heads, N, d]
-    k = F.linear(x, w_k, b_k).reshape(b, n, heads, d).permute(0, 2, 3, 1)
-    v = F.linear(x, w_v, b_v).reshape(b, n, heads, d).transpose(1, 2)
+    q, k, v = split_qkv(self.qkv, x, n, self.num_heads, self.scale)
     attn = q @ k
     bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(
         n, n, -1).permute(2, 0, 1)

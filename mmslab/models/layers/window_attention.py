@@ -317,13 +317,7 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
         *before* ``qkv`` ``[nW, N, C]`` -> ``[nW, N, C]`` (one image), any number of
         windows."""
         n = self.window_size[0] * self.window_size[1]
-        heads, d = self.num_heads, self.head_dims
-        w_q, w_k, w_v = self.qkv.weight.chunk(3)
-        b_q, b_k, b_v = self.qkv.bias.chunk(3) if self.qkv.bias is not None else (None, ) * 3
-        q = F.linear(windows, w_q * self.scale, None if b_q is None else b_q * self.scale)
-        q = q.reshape(-1, n, heads, d).transpose(1, 2)  # [B', heads, N, d]
-        k = F.linear(windows, w_k, b_k).reshape(-1, n, heads, d).permute(0, 2, 3, 1)
-        v = F.linear(windows, w_v, b_v).reshape(-1, n, heads, d).transpose(1, 2)
+        q, k, v = split_qkv(self.qkv, windows, n, self.num_heads, self.scale)
         attn = q @ k  # [B', heads, N, N]
         bias = self.position_bias().to(attn.dtype)
         if shift_mask is not None:
@@ -333,6 +327,21 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
             bias = bias + shift_mask.to(attn.dtype).unsqueeze(1)
         out = (attn + bias).softmax(dim=-1) @ v  # [B', heads, N, d]
         return out.transpose(1, 2).reshape(-1, n, self.embed_dims)
+
+
+def split_qkv(qkv: nn.Linear, windows: Tensor, n: int, num_heads: int,
+              scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """The ``split`` layout's projections: ``[B', N, C]`` window tokens -> ``q`` (scaled)
+    and ``v`` ``[B', heads, N, d]``, ``k`` ``[B', heads, d, N]``, as three MatMuls with the
+    scale folded into q's weights and the standard multi-head transposes."""
+    d = qkv.out_features // (3 * num_heads)
+    w_q, w_k, w_v = qkv.weight.chunk(3)
+    b_q, b_k, b_v = qkv.bias.chunk(3) if qkv.bias is not None else (None, ) * 3
+    q = F.linear(windows, w_q * scale, None if b_q is None else b_q * scale)
+    q = q.reshape(-1, n, num_heads, d).transpose(1, 2)
+    k = F.linear(windows, w_k, b_k).reshape(-1, n, num_heads, d).permute(0, 2, 3, 1)
+    v = F.linear(windows, w_v, b_v).reshape(-1, n, num_heads, d).transpose(1, 2)
+    return q, k, v
 
 
 def _softmax_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
