@@ -31,7 +31,7 @@ def test_mmcv_recipe_prepares_and_configures_the_ops_in_this_environment(tmp_pat
 def test_recipe_rejects_unknown_mode(tmp_path):
     code, out = run(['bash', osp.join(REPO_ROOT, 'tools', 'mmcv_recipe.sh'), 'compile',
                      sys.executable, str(tmp_path)], timeout=60)
-    assert code == 2 and "valid: prepare, build, check" in out
+    assert code == 2 and "valid: prepare, build, check, probe" in out
 
 
 def test_environment_is_consistent():

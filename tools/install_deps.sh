@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
-# Install the OpenMMLab stack and mmslab into a virtualenv inside the repository (.venv).
+# Install the OpenMMLab stack and mmslab: into a virtualenv inside the repository (.venv), or
+# into an existing Python environment that already has torch.
 #
-#   bash tools/install_deps.sh
+#   bash tools/install_deps.sh                               # .venv with torch 2.14.1
+#   MMSLAB_PYTHON=/usr/bin/python3 bash tools/install_deps.sh  # that environment, its own torch
+#
+# Variables (all optional):
+#   MMSLAB_VENV     the virtualenv to create or complete (default: REPO/.venv)
+#   MMSLAB_PYTHON   install into this interpreter's environment instead: no virtualenv, torch
+#                   is not (re)installed, mmcv is built against the torch found there
+#   MMSLAB_WHEELS   the mmcv wheel cache (default: ~/.cache/mmslab/wheels)
+#   MMSLAB_CUDA     auto (default): mmcv's CUDA ops when nvidia-smi lists a GPU, CPU ops
+#                   otherwise; 1: CUDA ops even without a GPU; 0: CPU ops only
+#   TORCH_CUDA_ARCH_LIST  the GPUs to compile for (default: those present, else 8.0;9.0+PTX)
+#   MAX_JOBS        parallel compile jobs (default: the number of cores)
+#   PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR   (pip's own) install offline from wheels carried in
 #
 # mmcv 2.1.0 has no wheel for Python 3.11 + torch 2.14, so it is built once from its PyPI
-# source with the compiled CPU ops (about 15 minutes on 2 cores; tools/mmcv_recipe.sh) into a
-# cache outside the repository ($MMSLAB_WHEELS, default ~/.cache/mmslab/wheels) and reused.
-# With everything in place a re-run takes a few seconds.
+# source (tools/mmcv_recipe.sh; CPU ops about 15 minutes on 2 cores, CUDA ops for one arch
+# about 25) into a cache keyed by Python, torch, CUDA and arch list
+# (mmslab/utils/cuda_build.py decides), and reused. With everything in place a re-run takes
+# a few seconds.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${MMSLAB_VENV:-$REPO/.venv}"
 WHEELS="${MMSLAB_WHEELS:-$HOME/.cache/mmslab/wheels}"
 PY="${PYTHON:-python3}"
 STEP="start"
@@ -19,12 +32,47 @@ log() { echo "[install_deps $(date +%H:%M:%S)] $*"; }
 step() { STEP="$*"; log "$STEP"; }
 trap 'echo "[install_deps] FAILED during step: $STEP (see the output above)" >&2' ERR
 
-VPY="$VENV/bin/python"
-# Fast path: everything importable and the pinned versions present.
-if [ -x "$VPY" ] && "$VPY" - <<'PYEOF' 2>/dev/null
+if [ -n "${MMSLAB_PYTHON:-}" ]; then
+    # An existing environment (a cluster module, a container): use its torch as it is.
+    VPY="$MMSLAB_PYTHON"
+    EXISTING=1
+    if ! "$VPY" -c "import torch" 2>/dev/null; then
+        echo "error: MMSLAB_PYTHON=$VPY cannot import torch; install torch there first, or" \
+             "leave MMSLAB_PYTHON unset to create a virtualenv with torch 2.14.1" >&2
+        exit 1
+    fi
+else
+    VENV="${MMSLAB_VENV:-$REPO/.venv}"
+    VPY="$VENV/bin/python"
+    EXISTING=0
+    if [ ! -x "$VPY" ]; then
+        step "creating virtualenv $VENV"
+        "$PY" -m venv "$VENV"
+    fi
+    if ! "$VPY" -c "import torch, torchvision" 2>/dev/null; then
+        step "installing torch 2.14.1 and torchvision 0.29.1"
+        "$VPY" -m pip install -q --disable-pip-version-check torch==2.14.1 torchvision==0.29.1
+    fi
+fi
+PIP=("$VPY" -m pip install --disable-pip-version-check)
+# Where the installed mmcv records which build it is (compared with the plan's cache key).
+MARKER="$("$VPY" -c 'import sys; print(sys.prefix)')/mmslab-mmcv-build.txt"
+
+# Which mmcv this machine needs: CPU or CUDA ops, for which torch / CUDA / GPUs. Refuses a
+# CUDA build that could not work, naming the fix, before anything is compiled.
+PLAN="$("$VPY" -P "$REPO/mmslab/utils/cuda_build.py" plan)" || {
+    echo "[install_deps] the mmcv build plan was refused (above); nothing was compiled" >&2
+    exit 1; }
+eval "$PLAN"
+
+# Fast path: everything importable, the pinned versions present, the mmcv build the plan asks.
+if [ "$(cat "$MARKER" 2>/dev/null || true)" = "$MMSLAB_MMCV_KEY" ] && \
+        MMSLAB_EXISTING=$EXISTING "$VPY" - <<'PYEOF' 2>/dev/null
 import importlib.metadata as md
-pins = {'torch': '2.14.1', 'torchvision': '0.29.1', 'mmcv': '2.1.0', 'mmengine': '0.10.7',
-        'mmdet': '3.3.0', 'mmsegmentation': '1.2.2'}
+import os
+pins = {'mmcv': '2.1.0', 'mmengine': '0.10.7', 'mmdet': '3.3.0', 'mmsegmentation': '1.2.2'}
+if os.environ['MMSLAB_EXISTING'] == '0':
+    pins.update(torch='2.14.1', torchvision='0.29.1')
 for name, version in pins.items():
     assert md.version(name).split('+')[0] == version, name
 for name in ('timm', 'pycocotools', 'ftfy', 'regex', 'matplotlib', 'pytest', 'onnx',
@@ -33,36 +81,40 @@ for name in ('timm', 'pycocotools', 'ftfy', 'regex', 'matplotlib', 'pytest', 'on
 import mmcv.ops, mmdet, mmseg, onnxruntime, openvino  # noqa
 PYEOF
 then
-    log "environment in $VENV is complete"
+    log "environment of $VPY is complete (mmcv build $MMSLAB_MMCV_KEY)"
     exit 0
 fi
 
 mkdir -p "$WHEELS"
-if [ ! -x "$VPY" ]; then
-    step "creating virtualenv $VENV"
-    "$PY" -m venv "$VENV"
-fi
-PIP=("$VPY" -m pip install --disable-pip-version-check)
-
-if ! "$VPY" -c "import torch, torchvision" 2>/dev/null; then
-    step "installing torch 2.14.1 and torchvision 0.29.1"
-    "${PIP[@]}" -q torch==2.14.1 torchvision==0.29.1
-fi
-
-if ! "$VPY" -c "import mmcv.ops" 2>/dev/null; then
-    MMCV_WHEEL="$(ls "$WHEELS"/mmcv-2.1.0-*.whl 2>/dev/null | head -n1 || true)"
+if [ "$(cat "$MARKER" 2>/dev/null || true)" != "$MMSLAB_MMCV_KEY" ] || \
+        ! "$VPY" -c "import mmcv.ops" 2>/dev/null; then
+    CACHE="$WHEELS/mmcv-2.1.0/$MMSLAB_MMCV_KEY"
+    MMCV_WHEEL="$(ls "$CACHE"/mmcv-2.1.0-*.whl 2>/dev/null | head -n1 || true)"
     if [ -z "$MMCV_WHEEL" ]; then
-        step "building mmcv 2.1.0 with compiled CPU ops (about 10-17 minutes)"
+        BUILD_ENV=()
+        for var in $MMSLAB_BUILD_VARS; do
+            value="MMSLAB_BUILD_$var"
+            BUILD_ENV+=("$var=${!value}")
+        done
+        if [ "$MMSLAB_MMCV_KIND" = cuda ]; then
+            step "building mmcv 2.1.0 with CUDA ops for $MMSLAB_MMCV_ARCHS (about 25 minutes per arch on 2 cores)"
+        else
+            step "building mmcv 2.1.0 with compiled CPU ops (about 10-17 minutes on 2 cores)"
+        fi
         BUILD="$(mktemp -d)"
         "${PIP[@]}" -q ninja wheel opencv-python-headless addict yapf packaging pyyaml
         bash "$REPO/tools/mmcv_recipe.sh" prepare "$VPY" "$BUILD"
-        bash "$REPO/tools/mmcv_recipe.sh" build "$VPY" "$BUILD"
-        cp "$BUILD"/dist/mmcv-2.1.0-*.whl "$WHEELS"/
-        MMCV_WHEEL="$(ls "$WHEELS"/mmcv-2.1.0-*.whl | head -n1)"
+        START=$SECONDS
+        env "${BUILD_ENV[@]}" bash "$REPO/tools/mmcv_recipe.sh" build "$VPY" "$BUILD"
+        log "mmcv compiled in $(( (SECONDS - START) / 60 )) min $(( (SECONDS - START) % 60 )) s"
+        mkdir -p "$CACHE"
+        cp "$BUILD"/dist/mmcv-2.1.0-*.whl "$CACHE"/
+        MMCV_WHEEL="$(ls "$CACHE"/mmcv-2.1.0-*.whl | head -n1)"
         rm -rf "$BUILD"
     fi
     step "installing cached mmcv wheel $MMCV_WHEEL"
-    "${PIP[@]}" -q "$MMCV_WHEEL"
+    "${PIP[@]}" -q --force-reinstall --no-deps "$MMCV_WHEEL"
+    echo "$MMSLAB_MMCV_KEY" > "$MARKER"
 fi
 
 step "installing mmengine, mmdet, mmseg and the rest"
@@ -72,13 +124,37 @@ step "installing mmengine, mmdet, mmseg and the rest"
 step "installing the deployment runtimes (onnx, onnxruntime, openvino, nncf)"
 "${PIP[@]}" -q "onnx>=1.17" "onnxruntime>=1.20" "openvino>=2025.0" "nncf>=2.16"
 
-step "installing mmslab (editable) and checking the pins of setup.cfg"
-"${PIP[@]}" -q -e "$REPO"
+step "installing mmslab (editable) and checking the requirements of setup.cfg"
+if [ "$EXISTING" = 1 ]; then
+    # the environment's own setuptools builds it (an offline container has no other)
+    "${PIP[@]}" -q --no-build-isolation -e "$REPO"
+else
+    "${PIP[@]}" -q -e "$REPO"
+fi
 
 step "checking dependency consistency (pip check)"
-"$VPY" -m pip check
+if [ "$EXISTING" = 1 ]; then
+    "$VPY" -m pip check || log "warning: pip check reports conflicts in this environment" \
+        "(above); mmslab's own requirements are installed"
+else
+    "$VPY" -m pip check
+fi
 
-step "checking the compiled ops"
+step "checking the compiled ops ($MMSLAB_MMCV_KIND build $MMSLAB_MMCV_KEY)"
+if [ "$MMSLAB_MMCV_KIND" = cuda ] && ! "$VPY" -c \
+        "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    # No GPU to run the CUDA ops on: list their device code instead, with a cuobjdump kept
+    # beside the wheel cache (0.3 MB) when the toolkit has none.
+    CUOBJDUMP="$(command -v cuobjdump || ls "${MMSLAB_BUILD_CUDA_HOME:-/nonexistent}/bin/cuobjdump" \
+        "$WHEELS"/cuda-tools/nvidia/*/bin/cuobjdump 2>/dev/null | head -n1 || true)"
+    if [ -z "$CUOBJDUMP" ]; then
+        "${PIP[@]}" -q --no-deps --target "$WHEELS/cuda-tools" \
+            "nvidia-cuda-cuobjdump==${MMSLAB_TORCH_CUDA%%.*}.*"
+        CUOBJDUMP="$(ls "$WHEELS"/cuda-tools/nvidia/*/bin/cuobjdump | head -n1)"
+    fi
+    export MMSLAB_CUOBJDUMP="$CUOBJDUMP"
+fi
+"$VPY" -P "$REPO/mmslab/utils/cuda_build.py" verify "$MMSLAB_MMCV_KIND" "$MMSLAB_MMCV_ARCHS"
 "$VPY" - <<'PYEOF'
 import torch
 from mmcv.ops import nms, roi_align
@@ -89,7 +165,12 @@ feat = torch.arange(16.).view(1, 1, 4, 4)
 out = roi_align(feat, torch.tensor([[0., 0., 0., 4., 4.]]), (2, 2), 1.0, 2, 'avg', True)
 assert out.shape == (1, 1, 2, 2)
 import mmdet, mmseg, mmslab
-print(f'stack ok: torch {torch.__version__}, mmdet {mmdet.__version__}, '
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'
+print(f'stack ok: torch {torch.__version__} ({gpu}), mmdet {mmdet.__version__}, '
       f'mmseg {mmseg.__version__}, mmslab {mmslab.__version__}')
 PYEOF
-log "done: activate with 'source $VENV/bin/activate'"
+if [ "$EXISTING" = 1 ]; then
+    log "done: mmslab is installed in the environment of $VPY"
+else
+    log "done: activate with 'source $VENV/bin/activate'"
+fi

@@ -4,6 +4,7 @@
 #   bash tools/mmcv_recipe.sh prepare VENV_PYTHON DIR   # fetch + patch the sdist into DIR
 #   bash tools/mmcv_recipe.sh build   VENV_PYTHON DIR   # compile the wheel into DIR/dist
 #   bash tools/mmcv_recipe.sh check   VENV_PYTHON [DIR] # prepare + metadata step, no compile
+#   bash tools/mmcv_recipe.sh probe   VENV_PYTHON [DIR] # build with only info.cpp + nms_cuda.cu
 #
 # tools/install_deps.sh runs prepare + build once per machine (the wheel is cached);
 # the test suite runs `check` in the real virtualenv, so a recipe that would break on a
@@ -17,9 +18,12 @@
 #   torch, so `pip check` passes.
 # * --no-build-isolation: an isolated build has no torch and silently skips the ops.
 # * torch >= 2.13 headers need C++20; mmcv 2.1.0 hard-codes -std=c++17.
+# * CUDA ops: `build` takes the environment tools/install_deps.sh gets from
+#   mmslab/utils/cuda_build.py (FORCE_CUDA, CUDA_HOME, TORCH_CUDA_ARCH_LIST, and the include
+#   directories of torch's CUDA wheels in NVCC_APPEND_FLAGS / CPATH); without it, CPU ops.
 set -euo pipefail
 
-MODE="${1:?usage: mmcv_recipe.sh prepare|build|check VENV_PYTHON [DIR]}"
+MODE="${1:?usage: mmcv_recipe.sh prepare|build|check|probe VENV_PYTHON [DIR]}"
 VPY="${2:?the virtualenv python}"
 DIR="${3:-$(mktemp -d)}"
 SRC="$DIR/mmcv-2.1.0"
@@ -51,18 +55,33 @@ prepare() {
     fi
 }
 
+build() {
+    buildtools
+    JOBS="${MAX_JOBS:-$(nproc)}"
+    log "compiling mmcv (MMCV_WITH_OPS=1, MAX_JOBS=$JOBS, FORCE_CUDA=${FORCE_CUDA:-0}," \
+        "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-unset}, CUDA_HOME=${CUDA_HOME:-unset})"
+    (cd "$SRC" && PYTHONPATH="$TOOLS" MMCV_WITH_OPS=1 MAX_JOBS="$JOBS" \
+        "$VPY" -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps \
+        -w "$DIR/dist" .)
+    ls "$DIR"/dist/mmcv-2.1.0-*.whl >/dev/null
+}
+
 case "$MODE" in
 prepare)
     prepare
     ;;
 build)
     [ -d "$SRC" ] || prepare
-    buildtools
-    log "compiling mmcv (MMCV_WITH_OPS=1, MAX_JOBS=${MAX_JOBS:-2})"
-    (cd "$SRC" && PYTHONPATH="$TOOLS" MMCV_WITH_OPS=1 MAX_JOBS="${MAX_JOBS:-2}" \
-        "$VPY" -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps \
-        -w "$DIR/dist" .)
-    ls "$DIR"/dist/mmcv-2.1.0-*.whl >/dev/null
+    build
+    ;;
+probe)
+    # The same build (setup.py, flags, environment) over two sources only: the host-compiled
+    # info.cpp (includes the CUDA runtime headers when FORCE_CUDA=1) and one .cu file. Minutes
+    # instead of the full build's 15-25; the tests use it to check the CUDA recipe.
+    prepare
+    find "$SRC/mmcv/ops/csrc" \( -name '*.cpp' -o -name '*.cu' \) \
+        ! -path '*/csrc/pytorch/info.cpp' ! -path '*/csrc/pytorch/cuda/nms_cuda.cu' -delete
+    build
     ;;
 check)
     prepare
@@ -80,7 +99,7 @@ check)
     log "recipe ok"
     ;;
 *)
-    echo "unknown mode '$MODE' (valid: prepare, build, check)" >&2
+    echo "unknown mode '$MODE' (valid: prepare, build, check, probe)" >&2
     exit 2
     ;;
 esac

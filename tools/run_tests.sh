@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# Install whatever is missing, then run the test suite: bash tools/run_tests.sh [pytest args]
+# Install whatever is missing, then run the test suite:
+#   bash tools/run_tests.sh [--fast] [pytest args]
+# --fast skips the tests marked slow (builds, multi-process training).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$REPO/tools/install_deps.sh"
 cd "$REPO"
+ARGS=()
+if [ "${1:-}" = "--fast" ]; then
+    shift
+    ARGS=(-m "not slow")
+fi
 # pytest exits 5 when it collects nothing; that is a failure here, like any non-zero code.
-exec "$REPO/.venv/bin/python" -m pytest -q "$@"
+exec "$REPO/.venv/bin/python" -m pytest -q "${ARGS[@]}" "$@"
