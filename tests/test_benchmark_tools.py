@@ -81,3 +81,225 @@ def test_analyze_model_counts_fewer_parameters_after_fusion(tiny_config, tmp_pat
     assert result['fused']['params'] < result['unfused']['params']
     assert 0 < result['fused']['flops'] < result['unfused']['flops']
     assert json.loads(out.read_text())['params_ratio'] == pytest.approx(result['params_ratio'])
+
+
+# ----------------------------------------------------------------------------------------------
+# device, precisions, batch sizes
+# ----------------------------------------------------------------------------------------------
+
+NO_BF16_FLAGS = ['fpu', 'avx2', 'fma', 'avx512f']
+# tiny stand-ins of the --baseline-backbone models, with the tiny config's widths
+TINY_BASELINES = dict(
+    swin_t=dict(type='SwinTransformer', embed_dims=16, depths=[1, 1, 1, 1],
+                num_heads=[1, 2, 2, 4], window_size=4, drop_path_rate=0.0),
+    ln_swin_t=dict(type='ReparamSwinTransformer', arch='tiny', embed_dims=16,
+                   depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), window_size=4,
+                   norm_cfg=dict(type='LN'), drop_path_rate=0.0))
+
+
+@pytest.mark.parametrize('script', ['tools/benchmark.py', 'benchmarks/backbone_speed.py'])
+def test_device_and_precision_errors_name_the_valid_choices(script, tiny_config, tmp_path,
+                                                           monkeypatch, capsys):
+    import torch
+    from tool_runs import exit_message
+    from mmslab.utils import machine
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    tool = load_script(script)
+    base = ([tiny_config] if script.startswith('tools') else []) + ['--out', str(tmp_path)]
+    msg = exit_message(capsys, tool.main, base + ['--device', 'cuda'])
+    assert "device 'cuda': CUDA is not available here" in msg
+    assert 'valid on this machine: cpu' in msg
+    msg = exit_message(capsys, tool.main, base + ['--device', 'tpu'])
+    assert 'valid: cpu, cuda, cuda:N' in msg
+    msg = exit_message(capsys, tool.main,
+                       base + ['--device', 'cpu', '--precisions', 'fp32', 'fp16'])
+    assert 'fp16 on the CPU' in msg and 'Valid on cpu: fp32, bf16' in msg
+    for alias in ('--precision', '--dtypes'):
+        msg = exit_message(capsys, tool.main, base + [alias, 'fp8'])
+        assert "invalid choice: 'fp8'" in msg and "'fp16'" in msg and "'bf16'" in msg
+    monkeypatch.setattr(machine, 'cpu_flags', lambda: list(NO_BF16_FLAGS))
+    msg = exit_message(capsys, tool.main, base + ['--precisions', 'bf16'])  # default: cpu
+    assert 'bf16 needs a CPU with avx512_bf16 or amx_bf16' in msg
+    msg = exit_message(capsys, tool.main, base + ['--batch-size', '0'])
+    assert '0 must be >= 1' in msg
+
+
+def test_benchmark_times_every_precision_against_both_baselines(tiny_config, tmp_path,
+                                                                monkeypatch):
+    """--dtypes fp32 bf16 (alias of --precisions): each variant in each precision, in one
+    rotation; speed-ups against
+    mmseg's Swin and the LN control per precision, computed from the medians."""
+    from mmslab.utils import machine
+    monkeypatch.setattr(machine, 'cpu_flags', lambda: NO_BF16_FLAGS + ['amx_bf16'])
+    tool = load_script('tools/benchmark.py')
+    for name, cfg in TINY_BASELINES.items():
+        monkeypatch.setitem(tool.BASELINES, name, cfg)
+    report = tool.main(
+        [tiny_config, '--shapes', '64x64', '--repeat', '1', '--warmup', '0', '--device', 'cpu',
+         '--dtypes', 'fp32', 'bf16', '--batch-size', '1', '2',
+         '--baseline-backbone', 'swin_t', 'ln_swin_t', '--out', str(tmp_path / 'bench')])
+    with open(tmp_path / 'bench' / 'benchmark.json') as f:
+        saved = json.load(f)
+    assert saved['speedups'] == report['speedups'] and saved['ratios'] == report['ratios']
+    assert saved['device'] == 'cpu' and saved['timing'] == 'perf_counter'
+    assert 'gpu' not in saved['machine']
+    assert saved['precisions'] == ['fp32', 'bf16'] and saved['batch_sizes'] == [1, 2]
+    swin, control = 'tiny_repa with swin_t backbone (LN)', \
+        'tiny_repa with ln_swin_t backbone (LN control, fused)'
+    assert saved['references'] == dict(swin_t=swin, ln_swin_t=control)
+    variants = {'tiny_repa (fused)', 'tiny_repa (unfused)', swin, control}
+    cells = {(r['variant'], r['part'], r['batch_size'], r['precision'])
+             for r in saved['results']}
+    assert cells == {(v, p, b, d) for v in variants for p in ('backbone', 'model')
+                     for b in (1, 2) for d in ('fp32', 'bf16')}
+    assert all(r['median_ms_per_image'] == pytest.approx(r['median_ms'] / r['batch_size'])
+               for r in saved['results'])
+    median = {(r['variant'], r['part'], r['batch_size'], r['precision']): r['median_ms']
+              for r in saved['results']}
+    rows = {(r['variant'], r['part'], r['batch_size'], r['precision']): r
+            for r in saved['speedups']}
+    assert set(rows) == cells
+    for (variant, part, batch, dtype), row in rows.items():
+        refs = {k: v for k, v in saved['references'].items() if v != variant}
+        assert set(row['speedup_vs']) == set(refs)
+        for short, ref in refs.items():
+            assert row['speedup_vs'][short] == pytest.approx(
+                median[(ref, part, batch, dtype)] / median[(variant, part, batch, dtype)])
+        if dtype == 'bf16':
+            assert row['speedup_vs_fp32'] == pytest.approx(
+                median[(variant, part, batch, 'fp32')] / median[(variant, part, batch, dtype)])
+        else:
+            assert 'speedup_vs_fp32' not in row
+    assert len(saved['ratios']) == 3 * 2 * 2 * 2  # 3 other variants, parts, batches, dtypes
+
+
+def test_ratios_and_speedups_from_given_medians():
+    tool = load_script('tools/benchmark.py')
+
+    def res(variant, precision, ms, part='model'):
+        return dict(variant=variant, part=part, shape=[800, 1333], batch_size=1,
+                    precision=precision, median_ms=ms)
+
+    fused, unfused, swin, ln = ('m (fused)', 'm (unfused)', 'm with swin_t backbone (LN)',
+                                'm with ln_swin_t backbone (LN control, fused)')
+    results = [res(fused, 'fp32', 40.0), res(unfused, 'fp32', 50.0), res(swin, 'fp32', 60.0),
+               res(ln, 'fp32', 48.0), res(fused, 'fp16', 20.0), res(unfused, 'fp16', 30.0),
+               res(swin, 'fp16', 25.0), res(ln, 'fp16', 22.0),
+               res(fused, 'fp32', 10.0, part='backbone')]  # no baseline timed there
+    references = dict(swin_t=swin, ln_swin_t=ln)
+    speed = {(r['variant'], r['part'], r['precision']): r
+             for r in tool.speedups(results, references)}
+    assert speed[(fused, 'model', 'fp32')]['speedup_vs'] == dict(swin_t=1.5, ln_swin_t=1.2)
+    assert speed[(fused, 'model', 'fp16')]['speedup_vs'] == dict(swin_t=1.25, ln_swin_t=1.1)
+    assert speed[(fused, 'model', 'fp16')]['speedup_vs_fp32'] == 2.0
+    assert speed[(unfused, 'model', 'fp32')]['speedup_vs'] == dict(swin_t=1.2, ln_swin_t=0.96)
+    assert speed[(ln, 'model', 'fp16')]['speedup_vs'] == dict(swin_t=25 / 22)  # not itself
+    assert speed[(swin, 'model', 'fp16')]['speedup_vs_fp32'] == 2.4
+    assert speed[(fused, 'backbone', 'fp32')]['speedup_vs'] == {}
+    assert speed[(fused, 'model', 'fp32')]['median_ms'] == 40.0
+    ratios = {(r['variant'], r['part'], r['precision']): r['ratio_vs_fused']
+              for r in tool.ratios(results, 'm')}
+    assert ratios == {(unfused, 'model', 'fp32'): 1.25, (swin, 'model', 'fp32'): 1.5,
+                      (ln, 'model', 'fp32'): 1.2, (unfused, 'model', 'fp16'): 1.5,
+                      (swin, 'model', 'fp16'): 1.25, (ln, 'model', 'fp16'): 1.1}
+    # the printed table: one column per reference and vs fp32
+    report = dict(results=results, references=references, precisions=['fp32', 'fp16'],
+                  ratios=tool.ratios(results, 'm'), speedups=tool.speedups(results, references))
+    rows = tool.table_rows(report, 'm')
+    assert rows[0] == ['part', 'shape', 'batch', 'precision', 'variant', 'median ms', 'x fused',
+                       'vs swin_t', 'vs ln_swin_t', 'vs fp32']
+    assert rows[5] == ['model', '800x1333', '1', 'fp16', fused, '20.0', '1.00', '1.25', '1.10',
+                       '2.00']
+    assert rows[1][-3:] == ['1.50', '1.20', '-']
+
+
+def test_config_batch_size(tmp_path):
+    tool = load_script('tools/benchmark.py')
+    path = tmp_path / 'with_loader.py'
+    path.write_text(TINY_CFG + 'test_dataloader = dict(batch_size=4)\n')
+    assert tool.config_batch_sizes([1, 'config'], str(path)) == [1, 4]
+    assert tool.config_batch_sizes([4, 'config'], str(path)) == [4]
+    assert tool.config_batch_sizes(['config'], str(path), {'test_dataloader.batch_size': 2}) == [2]
+    bare = tmp_path / 'bare.py'
+    bare.write_text(TINY_CFG)
+    with pytest.raises(SystemExit, match='no test_dataloader.batch_size'):
+        tool.config_batch_sizes([1, 'config'], str(bare))
+
+
+def test_runners_use_the_model_device_and_switch_precision(tiny_config):
+    """fake_batch follows the model's device and batch size; whole-model runners of several
+    precisions share one model (autocast regions switched per call), the backbone runner
+    autocasts as a whole."""
+    import torch
+    from mmslab.benchmark import fake_batch, make_runners
+    from mmslab.utils.launch import build_model_from_config
+    from mmslab.utils.precision import AutocastRegions
+    _, model = build_model_from_config(tiny_config)
+    model.eval()
+    inputs, samples = fake_batch(model, (60, 64), batch_size=2)
+    assert inputs.shape == (2, 3, 64, 64) and inputs.device == torch.device('cpu')
+    assert [s.img_id for s in samples] == [0, 1] and samples[0].img_shape == (60, 64)
+    assert fake_batch(model, (64, 64), device='meta')[0].device == torch.device('meta')
+
+    seen = []
+    conv = next(m for m in model.backbone.modules() if isinstance(m, torch.nn.Conv2d))
+    conv.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    fp32 = make_runners(model, (64, 64), 'model', 1, 'fp32')
+    assert AutocastRegions.of(model) is None  # fp32 alone changes nothing
+    bf16 = make_runners(model, (64, 64), 'model', 1, 'bf16')
+    assert AutocastRegions.of(model).device_type == 'cpu'
+    backbone_bf16 = make_runners(model, (64, 64), 'backbone', 1, 'bf16')
+    with torch.inference_mode():
+        out = bf16()
+        fp32()
+        feats = backbone_bf16()
+        bf16()
+    assert seen == [torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16]
+    assert out[0].seg_logits.data.dtype == torch.float32  # post-processing in float32
+    assert len(feats) == 4
+    with pytest.raises(ValueError, match='valid: fp32, fp16, bf16'):
+        make_runners(model, (64, 64), 'model', 1, 'fp8')
+
+
+def test_measure_interleaved_times_on_the_given_device(monkeypatch):
+    import mmslab.benchmark as bench
+    devices = []
+    monkeypatch.setattr(bench, 'timed_ms',
+                        lambda fn, device=None: (devices.append(device), (fn(), 1.0))[1])
+    times = bench.measure_interleaved({('a', 'fp32'): lambda: 1, ('a', 'fp16'): lambda: 2},
+                                      repeat=2, warmup=1, device='cuda:0')
+    assert times == {('a', 'fp32'): [1.0, 1.0], ('a', 'fp16'): [1.0, 1.0]}
+    assert devices == ['cuda:0'] * 4
+
+
+def test_backbone_speed_groups_precisions_and_batch_sizes(tmp_path, monkeypatch):
+    from mmslab.utils import machine
+    from mmslab.models import RePaSwin
+    import mmslab
+    monkeypatch.setattr(machine, 'cpu_flags', lambda: NO_BF16_FLAGS + ['amx_bf16'])
+    tool = load_script('benchmarks/backbone_speed.py')
+
+    def tiny_models():
+        m = RePaSwin(embed_dims=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4),
+                     window_size=4, drop_path_rate=0.0).eval()
+        import copy
+        return {'RePa-Swin-T': m, 'RePa-Swin-T fused': mmslab.reparameterize(copy.deepcopy(m))}
+
+    monkeypatch.setattr(tool, 'build_models', tiny_models)
+    report = tool.main(['--shapes', '32x32', '--repeat', '1', '--warmup', '0', '--threads', '1',
+                        '--device', 'cpu', '--precisions', 'fp32', 'bf16', '--batch-size', '1',
+                        '2',
+                        '--out', str(tmp_path)])
+    labels = ['32x32', '32x32 bf16', '32x32 b2', '32x32 b2 bf16']
+    assert list(report['results']) == labels
+    assert report['settings']['32x32 b2 bf16'] == dict(shape=[32, 32], batch_size=2,
+                                                       precision='bf16')
+    assert [(r['shape'], r['precision'], r['batch_size']) for r in report['ratios']] == [
+        ('32x32', 'fp32', 1), ('32x32 bf16', 'bf16', 1), ('32x32 b2', 'fp32', 2),
+        ('32x32 b2 bf16', 'bf16', 2)]
+    for r in report['ratios']:
+        res = report['results'][r['shape']]
+        assert r['ratio'] == pytest.approx(res['RePa-Swin-T']['median_ms'] /
+                                           res['RePa-Swin-T fused']['median_ms'])
+    assert report['device'] == 'cpu' and 'gpu' not in report['machine']
+    assert osp.isfile(tmp_path / 'backbone_speed.json')

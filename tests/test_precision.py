@@ -125,6 +125,50 @@ def test_bf16_refused_on_a_cpu_without_bf16(monkeypatch, capsys, tmp_path):
     hook.after_test_epoch(None)
 
 
+def test_precision_and_a_reparam_hook_precision_exclude_each_other(monkeypatch, capsys):
+    """tools/test.py --precision bf16 with a config whose ReparamEvalHook already autocasts:
+    refused before anything is built (both would set autocast regions on the fused copy);
+    AutocastRegions refuses the nesting too."""
+    from mmengine.config import Config
+
+    from mmslab.utils.precision import AutocastRegions, Bf16Regions
+    monkeypatch.setattr(machine, 'cpu_flags', lambda: NO_BF16_FLAGS + ['amx_bf16'])
+    tool = load_tool('test')
+    args = tool.parse_args(['cfg.py', 'ckpt.pth', '--precision', 'bf16'])
+    cfg = Config(dict(custom_hooks=[dict(type='ReparamEvalHook', precision='fp16')]))
+    msg = exit_message(capsys, tool.setup_precision, cfg, args)
+    assert "--precision bf16 and the config's ReparamEvalHook(precision='fp16') exclude" in msg
+    cfg = Config(dict(custom_hooks=[dict(type='ReparamEvalHook', precision='fp32')]))
+    tool.setup_precision(cfg, args)
+    assert [h['type'] for h in cfg.custom_hooks] == ['ReparamEvalHook', 'PrecisionHook']
+
+    model = _TinyDetector()
+    regions = AutocastRegions(model, torch.float16)
+    assert AutocastRegions.of(model) is regions and regions.precision == 'fp16'
+    with pytest.raises(RuntimeError, match=r'already runs its network parts under autocast '
+                       r'\(fp16\)'):
+        Bf16Regions(model)
+    regions.remove()
+    assert AutocastRegions.of(model) is None and 'predict' not in vars(model)
+    regions = Bf16Regions(model, enabled=False)
+    assert regions.precision == 'fp32' and not regions.enabled
+    regions.enabled = True
+    assert regions.dtype == torch.bfloat16 and regions.precision == 'bf16'
+    regions.remove()
+
+
+class _TinyDetector(torch.nn.Module):
+    """A backbone and a head, and the ``predict`` autocast regions wrap."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = torch.nn.Linear(2, 2)
+        self.head = torch.nn.Linear(2, 2)
+
+    def predict(self, x):
+        return self.head(self.backbone(x))
+
+
 def test_predictor_precision_without_torch_errors(monkeypatch):
     """The torch-free predictor's precision checks (its runs: test_predict_without_torch)."""
     from mmslab.deploy.predict import PredictError, resolve_precision
@@ -210,9 +254,13 @@ def test_eager_bf16_metrics_close_to_fp32(tiny, tmp_path, task):
     fused-vs-unfused check still runs in float32."""
     run = tiny(task)
     ref, _, ref_out, ref_latency = _run(run, tmp_path, 'fp32')
-    got, output, got_out, latency = _run(run, tmp_path, 'bf16', '--precision', 'bf16')
+    got, output, got_out, latency = _run(run, tmp_path, 'bf16', '--precision', 'bf16',
+                                         '--latency')
     assert got['precision'] == 'bf16' and got['bf16'] is True and ref['precision'] == 'fp32'
     assert 'evaluated in bf16 (torch.autocast on' in output
+    # --latency timed the fused and (in the same precision) the unfused model in bf16
+    assert latency['precision'] == 'bf16' and ref_latency['precision'] == 'fp32'
+    assert latency['device'] == 'cpu' and latency['unfused']['count'] > 0
     assert latency['max_relative_difference'] == pytest.approx(
         ref_latency['max_relative_difference'], rel=1e-3, abs=1e-7)  # fp32 check, unchanged
     assert latency['max_relative_difference'] < 1e-3

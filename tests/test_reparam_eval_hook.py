@@ -228,3 +228,85 @@ def test_hook_validates_options():
         ReparamEvalHook(warmup=-1)
     with pytest.raises(TypeError):
         ReparamEvalHook(warmpu=3)
+
+
+def _eval_only(cfg):
+    cfg.update(train_cfg=None, optim_wrapper=None, train_dataloader=None,
+               default_hooks=dict(logger=dict(type='LoggerHook', interval=1)))
+    return cfg
+
+
+def test_hook_precision_times_fused_and_unfused_in_it(data_dir, tmp_path, monkeypatch):
+    """precision='bf16': the fused copy and, for the ratio, the unfused model run their
+    network parts in bf16 inside predict; the equivalence check stays float32; the training
+    model is left without autocast regions; latency.json records device and precision."""
+    from mmengine.runner import Runner
+    from mmslab.utils import machine
+    from mmslab.utils.precision import AutocastRegions
+    monkeypatch.setattr(machine, 'cpu_flags', lambda: ['avx512f', 'amx_bf16'])
+    cfg = _eval_only(seg_cfg(data_dir, tmp_path / 'bf16', dict(
+        type='ReparamEvalHook', precision='bf16', compare_unfused=True, warmup=0)))
+    runner = Runner.from_cfg(Config(cfg))
+    model = runner.model
+    seen = []  # the unfused (training) model's first conv (the fused copy inherits the hook)
+    conv = next(m for m in model.backbone.modules() if isinstance(m, torch.nn.Conv2d))
+    conv.register_forward_hook(lambda m, i, o: seen.append(o.dtype) if m is conv else None)
+    runner.val()
+    assert seen[0] == torch.float32  # the equivalence check
+    assert set(seen[1:]) == {torch.bfloat16}  # the unfused model timed in bf16 too
+    assert AutocastRegions.of(model) is None
+    assert not any('forward' in vars(m) for m in model.modules())
+    with open(tmp_path / 'bf16' / 'latency.json') as f:
+        lat = json.load(f)
+    assert lat['precision'] == 'bf16' and lat['device'] == 'cpu'
+    assert lat['timing'] == 'perf_counter' and lat['max_relative_difference'] < 1e-3
+    assert lat['machine']['cpu'] and 'gpu' not in lat['machine']
+    assert lat['fused']['count'] == lat['unfused']['count'] == 3
+
+
+def test_hook_times_with_cuda_events_and_records_the_gpu(data_dir, tmp_path, monkeypatch):
+    """Where the model is on a CUDA device the hook times with the device (CUDA events) and
+    latency.json records the GPU. The model stays on the CPU here: where it is and how a
+    step is timed are faked, everything else runs."""
+    from mmengine.runner import Runner
+    import mmslab.engine.hooks.reparam_eval_hook as hook_mod
+    from test_timing_devices import fake_gpu
+    fake_gpu(monkeypatch)  # what torch.cuda says about the GPU ...
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)  # ... mmengine stays on CPU
+    cuda0 = torch.device('cuda', 0)
+    monkeypatch.setattr(hook_mod, 'module_device', lambda module: cuda0)
+    devices = []
+
+    def timed_ms(fn, device=None):
+        devices.append(device)
+        return fn(), 2.0
+
+    monkeypatch.setattr(hook_mod, 'timed_ms', timed_ms)
+    cfg = _eval_only(seg_cfg(data_dir, tmp_path / 'gpu', dict(
+        type='ReparamEvalHook', compare_unfused=True, warmup=0)))
+    Runner.from_cfg(Config(cfg)).val()
+    assert devices == [cuda0] * 4  # 2 batches, fused and unfused
+    with open(tmp_path / 'gpu' / 'latency.json') as f:
+        lat = json.load(f)
+    assert lat['device'] == 'cuda:0' and lat['timing'] == 'cuda_events'
+    assert lat['precision'] == 'fp32'
+    gpu = lat['machine']['gpu']
+    assert gpu['name'] == 'NVIDIA H100 80GB HBM3' and gpu['driver'] == '570.124.06'
+    assert gpu['cuda'] == '12.8' and gpu['cudnn'] == 91002
+    assert gpu['compute_capability'] == '9.0' and gpu['memory_gib'] == 79.1
+    assert lat['fused']['median_ms'] == 1.0  # 2 ms per batch of 2 images
+
+
+def test_hook_precision_is_checked_against_the_device(monkeypatch):
+    from types import SimpleNamespace
+    from mmslab.utils import machine
+    with pytest.raises(ValueError, match='ReparamEvalHook: precision .fp8.; valid: fp32, '
+                       'fp16, bf16'):
+        ReparamEvalHook(precision='fp8')
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match='ReparamEvalHook fp16 on the CPU'):
+        ReparamEvalHook(precision='fp16').before_val_epoch(SimpleNamespace(model=model))
+    monkeypatch.setattr(machine, 'cpu_flags', lambda: ['avx512f'])
+    with pytest.raises(RuntimeError, match='ReparamEvalHook bf16: bf16 needs a CPU'):
+        ReparamEvalHook(precision='bf16').before_test_epoch(SimpleNamespace(model=model))
+    assert model.training  # refused before anything changed

@@ -1,14 +1,34 @@
 """Latency of fused vs unfused models (and baselines), measured interleaved in one run.
 
     python tools/benchmark.py CONFIG [--checkpoint CKPT] [--shapes 512x512 800x1344]
-        [--repeat 5] [--warmup 2] [--threads 2] [--baseline CONFIG ...] [--parts backbone model]
+        [--repeat 5] [--warmup 2] [--threads 2] [--baseline CONFIG ...]
+        [--baseline-backbone swin_t ln_swin_t] [--parts backbone model]
+        [--device {cpu,cuda}] [--precisions fp32 fp16 bf16] [--batch-size 1 config]
         [--compile [--compile-dynamic] [--compile-backend inductor]] --out DIR
 
-For every input shape it times, at batch 1, the backbone alone and the whole model
+For every input shape and batch size it times the backbone alone and the whole model
 (``mode='predict'``: forward + post-processing, no data loading) of: the fused model
-(``mmslab.reparameterize``), the unfused model, and each baseline config (as is). Calls of
-all variants are interleaved so machine noise hits them alike. Prints a table of medians
-and ratios, writes ``benchmark.json`` and ``benchmark.png`` (latency against input size).
+(``mmslab.reparameterize``), the unfused model, each baseline config (as is) and the config's
+model with a baseline backbone (``--baseline-backbone``: mmdet's / mmseg's ``swin_t``, the
+LayerNorm control ``ln_swin_t``). Calls of all variants, and of every precision of each, are
+interleaved so machine noise hits them alike. Prints one table of medians and ratios, writes
+``benchmark.json`` and ``benchmark.png`` (latency against input size).
+
+Device and precision: ``--device cuda`` (the default where CUDA is available) builds and fuses
+the models on the CPU, moves them to the GPU and times each call with CUDA events
+(:func:`mmslab.utils.timing.timed_ms`); ``--precisions fp32 fp16`` (alias ``--precisions``)
+times each variant in each
+precision: the backbone under ``torch.autocast``, the whole model with its network parts
+under autocast and float32 post-processing (as ``tools/test.py --precision bf16``
+evaluates). fp16 needs CUDA, bf16 a GPU of compute capability 8.0+ or a CPU with
+avx512_bf16 / amx_bf16. The JSON records the device, the timing method and the machine
+(``machine.gpu``: GPU name, driver, CUDA, cuDNN, compute capability, memory).
+
+Ratios, per part, shape, batch size and precision: ``ratios`` (each variant / the fused
+model, as before) and ``speedups`` (for every variant, each reference's median over its own,
+>1: faster than the reference; references: the ``--baseline`` configs and the
+``--baseline-backbone`` names, e.g. ``swin_t`` = mmdet's Swin-T, ``ln_swin_t`` = the
+LayerNorm control; and ``speedup_vs_fp32``: the same variant in fp32 over this precision).
 
 ``--compile`` adds ``torch.compile`` of every fused backbone (the config's and the LayerNorm
 control's) as rows of their own, timed in the same rotation as their eager forms; the first
@@ -30,8 +50,10 @@ from mmslab.models.layers.window_attention import window_softmax_choices
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
 from mmslab.utils.machine import machine_info, machine_line
 from mmslab.utils.plotting import saved_figure
-from mmslab.benchmark import (fake_batch, first_call_timed, fused_copy, make_runners,
-                              measure_interleaved, parse_shape, summarize)
+from mmslab.utils.timing import timing_method
+from mmslab.benchmark import (add_device_arguments, autocast_call, check_device_arguments,
+                              fake_batch, first_call_timed, fused_copy, make_runners,
+                              measure_interleaved, move_to, parse_shape, summarize)
 
 
 def parse_args(argv=None):
@@ -60,13 +82,29 @@ def parse_args(argv=None):
                    'call (default: a static graph at the first shape, a dynamic one at the '
                    'second, as torch.compile does)')
     p.add_argument('--cfg-options', nargs='+', action=DictAction)
+    add_device_arguments(p, config_batch=True)
     add_allocator_argument(p)
     p.add_argument('--out', required=True, help='output directory')
     args = p.parse_args(argv)
     set_allocator_mode(args.malloc)
     if args.repeat < 1 or args.warmup < 0:
         p.error('--repeat must be >= 1 and --warmup >= 0')
+    check_device_arguments(p, args, 'tools/benchmark.py')
     return args
+
+
+def config_batch_sizes(batch_sizes, config: str, cfg_options=None) -> list:
+    """``--batch-size`` with ``config`` replaced by the config's ``test_dataloader.batch_size``
+    (repeats dropped)."""
+    if 'config' not in batch_sizes:
+        return list(batch_sizes)
+    from mmslab.utils.launch import load_config
+    cfg, _ = load_config(config, cfg_options)
+    size = (cfg.get('test_dataloader', None) or {}).get('batch_size', None)
+    if not isinstance(size, int) or size < 1:
+        raise SystemExit(f'error: --batch-size config: {config} has no test_dataloader.'
+                         f'batch_size (got {size!r}); give a number')
+    return list(dict.fromkeys(size if b == 'config' else b for b in batch_sizes))
 
 
 # LayerNorm baselines from the OpenMMLab libraries themselves (widths match mmslab's T/S).
@@ -84,12 +122,13 @@ MMSLAB_BASELINES = ('ln_swin_t', )
 
 
 def baseline_backbone(config: str, name: str) -> dict:
-    """``BASELINES[name]`` with the config's ``out_indices``."""
+    """``BASELINES[name]`` with the config's ``out_indices`` (default: all four stages)."""
     from mmengine.config import Config
     cfg = Config.fromfile(config)
     if cfg.get('default_scope') == 'mmseg' and name == 'pvt_t':
         raise SystemExit('error: mmseg has no PVT v1 backbone; use swin_t')
-    return dict(BASELINES[name], out_indices=tuple(cfg.model.backbone.out_indices))
+    return dict(BASELINES[name],
+                out_indices=tuple(cfg.model.backbone.get('out_indices', (0, 1, 2, 3))))
 
 
 def build_model(config: str, checkpoint=None, cfg_options=None, backbone=None):
@@ -106,20 +145,32 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = args.device
     shapes = [parse_shape(s) for s in args.shapes]
+    batch_sizes = config_batch_sizes(args.batch_size, args.config, args.cfg_options)
     os.makedirs(args.out, exist_ok=True)
     name = osp.splitext(osp.basename(args.config))[0]
+    # built and fused on the CPU (the folds compute in float64: the same fused weights for
+    # every device), then moved to the timing device
     model = build_model(args.config, args.checkpoint, args.cfg_options)
     variants = {f'{name} (unfused)': model, f'{name} (fused)': fused_copy(model)}
+    references = {}  # short name -> variant: the speed-ups' denominators
     for base in args.baseline:
-        variants[osp.splitext(osp.basename(base))[0]] = build_model(base)
+        key = osp.splitext(osp.basename(base))[0]
+        variants[key] = build_model(base)
+        references[key] = key
     for base in args.baseline_backbone:
         baseline = build_model(args.config, None, args.cfg_options,
                                backbone=baseline_backbone(args.config, base))
         if base in MMSLAB_BASELINES:
-            variants[f'{name} with {base} backbone (LN control, fused)'] = fused_copy(baseline)
+            key = f'{name} with {base} backbone (LN control, fused)'
+            variants[key] = fused_copy(baseline)
         else:
-            variants[f'{name} with {base} backbone (LN)'] = baseline
+            key = f'{name} with {base} backbone (LN)'
+            variants[key] = baseline
+        references[base] = key
+    for m in variants.values():
+        move_to(m, device)
     compiled = {}
     if args.compile:
         for key in [k for k in variants if k.endswith(('(fused)', ', fused)'))]:
@@ -127,29 +178,40 @@ def main(argv=None):
                 variants[key].backbone, backend=args.compile_backend,
                 dynamic=True if args.compile_dynamic else None)
 
+    precisions = args.precisions
     n_backbone = len(variants) + len(compiled)
-    total = len(shapes) * args.repeat * sum(
+    total = len(shapes) * len(batch_sizes) * len(precisions) * args.repeat * sum(
         n_backbone if part == 'backbone' else len(variants) for part in args.parts)
     bar = ProgressBar(total)
     results, compile_runs = [], []
     for shape in shapes:
-        for part in args.parts:
-            fns = {k: make_runners(m, shape, part) for k, m in variants.items()}
-            if compiled and part == 'backbone':
-                x = fake_batch(variants[f'{name} (fused)'], shape)[0]
-                for key, fn in compiled.items():
-                    compile_runs.append(dict(variant=key, shape=list(shape),
-                                             **first_call_timed(fn, x)))
-                    fns[key] = lambda fn=fn, x=x: fn(x)
-            times = measure_interleaved(fns, args.repeat, args.warmup, bar.update)
-            for k, ms in times.items():
-                results.append(dict(variant=k, part=part, shape=list(shape), **summarize(ms),
-                                    times_ms=ms))
+        for batch in batch_sizes:
+            for part in args.parts:
+                fns = {(k, prec): make_runners(m, shape, part, batch, prec)
+                       for k, m in variants.items() for prec in precisions}
+                if compiled and part == 'backbone':
+                    x = fake_batch(variants[f'{name} (fused)'], shape, batch)[0]
+                    for key, fn in compiled.items():
+                        for prec in precisions:
+                            call = autocast_call(lambda fn=fn, x=x: fn(x), prec, device.type)
+                            compile_runs.append(dict(
+                                variant=key, shape=list(shape), batch_size=batch, precision=prec,
+                                **first_call_timed(call, device=device)))
+                            fns[(key, prec)] = call
+                times = measure_interleaved(fns, args.repeat, args.warmup, bar.update, device)
+                for (k, prec), ms in times.items():
+                    summary = summarize(ms)
+                    results.append(dict(variant=k, part=part, shape=list(shape),
+                                        batch_size=batch, precision=prec, **summary,
+                                        median_ms_per_image=summary['median_ms'] / batch,
+                                        times_ms=ms))
     print()
-    report = dict(config=args.config, checkpoint=args.checkpoint, machine=machine_info(),
-                  threads=torch.get_num_threads(),
+    report = dict(config=args.config, checkpoint=args.checkpoint, device=str(device),
+                  timing=timing_method(device), machine=machine_info(device),
+                  threads=torch.get_num_threads(), precisions=precisions, batch_sizes=batch_sizes,
                   repeat=args.repeat, warmup=args.warmup, torch=torch.__version__,
-                  results=results, ratios=ratios(results, name),
+                  references=references, results=results, ratios=ratios(results, name),
+                  speedups=speedups(results, references),
                   window_softmax=window_softmax_choices())
     if compiled:
         report['compile'] = dict(backend=args.compile_backend, dynamic=args.compile_dynamic,
@@ -162,48 +224,108 @@ def main(argv=None):
     return report
 
 
+def _group(r) -> tuple:
+    """What a ratio compares within: part, shape, batch size, precision."""
+    return r['part'], tuple(r['shape']), r.get('batch_size', 1), r.get('precision', 'fp32')
+
+
+def _group_fields(group) -> dict:
+    part, shape, batch, precision = group
+    return dict(part=part, shape=list(shape), batch_size=batch, precision=precision)
+
+
 def with_eager_times(compile_runs, results):
-    """Each compiled backbone's first call with its median and its eager form's, same shape."""
-    index = {(r['variant'], tuple(r['shape'])): r['median_ms'] for r in results
+    """Each compiled backbone's first call with its median and its eager form's, same shape,
+    batch size and precision."""
+    index = {(r['variant'], *_group(r)): r['median_ms'] for r in results
              if r['part'] == 'backbone'}
     out = []
     for run in compile_runs:
-        shape = tuple(run['shape'])
+        group = _group(dict(run, part='backbone'))
         eager = run['variant'].replace(', torch.compile)', ')')
-        ms, eager_ms = index[(run['variant'], shape)], index[(eager, shape)]
+        ms, eager_ms = index[(run['variant'], *group)], index[(eager, *group)]
         out.append(dict(run, eager_variant=eager, median_ms=ms, eager_median_ms=eager_ms,
                         compiled_over_eager=ms / eager_ms))
     return out
 
 
 def ratios(results, name):
-    """Median latency of every other variant divided by the fused model's (>1: fused faster)."""
+    """Median latency of every other variant divided by the fused model's, same part, shape,
+    batch size and precision (>1: fused faster)."""
     out = []
     fused_key = f'{name} (fused)'
-    index = {(r['variant'], r['part'], tuple(r['shape'])): r['median_ms'] for r in results}
-    for (variant, part, shape), ms in index.items():
-        ref = index.get((fused_key, part, shape))
+    index = {(r['variant'], *_group(r)): r['median_ms'] for r in results}
+    for (variant, *group), ms in index.items():
+        ref = index.get((fused_key, *group))
         if variant != fused_key and ref:
-            out.append(dict(part=part, shape=list(shape), variant=variant,
-                            ratio_vs_fused=ms / ref))
+            out.append(dict(_group_fields(group), variant=variant, ratio_vs_fused=ms / ref))
     return out
 
 
-def print_table(report, name):
-    rows = [('part', 'shape', 'variant', 'median ms', 'x fused')]
-    fused = {(r['part'], tuple(r['shape'])): r['median_ms'] for r in report['results']
-             if r['variant'] == f'{name} (fused)'}
+def speedups(results, references):
+    """For every variant of every part, shape, batch size and precision: ``speedup_vs``
+    {reference: the reference's median / the variant's} for each reference variant measured
+    alike (not the variant itself; >1: the variant is faster) and, below fp32,
+    ``speedup_vs_fp32`` (the same variant's fp32 median / this precision's).
+
+    ``references``: {short name (``swin_t``, ``ln_swin_t``, a baseline config's name):
+    variant}."""
+    index = {(r['variant'], *_group(r)): r['median_ms'] for r in results}
+    out = []
+    for (variant, *group), ms in index.items():
+        row = dict(_group_fields(group), variant=variant, median_ms=ms, speedup_vs={})
+        for short, ref_variant in references.items():
+            ref = index.get((ref_variant, *group))
+            if ref_variant != variant and ref:
+                row['speedup_vs'][short] = ref / ms
+        if group[3] != 'fp32':
+            fp32 = index.get((variant, *group[:3], 'fp32'))
+            if fp32:
+                row['speedup_vs_fp32'] = fp32 / ms
+        out.append(row)
+    return out
+
+
+def table_rows(report, name) -> list:
+    """The printed table: a header and one row per result."""
+    refs = list(report.get('references', {}))
+    several_precisions = len({_group(r)[3] for r in report['results']}) > 1
+    header = ['part', 'shape', 'batch', 'precision', 'variant', 'median ms', 'x fused']
+    header += [f'vs {short}' for short in refs] + (['vs fp32'] if several_precisions else [])
+    fused = {(r['variant'], *_group(r)): r['ratio_vs_fused'] for r in report['ratios']}
+    speed = {(r['variant'], *_group(r)): r for r in report['speedups']}
+    rows = [header]
     for r in report['results']:
-        ref = fused.get((r['part'], tuple(r['shape'])))
-        rows.append((r['part'], 'x'.join(map(str, r['shape'])), r['variant'],
-                     f"{r['median_ms']:.1f}", f"{r['median_ms'] / ref:.2f}" if ref else '-'))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        key = (r['variant'], *_group(r))
+        sp = speed.get(key, {})
+        ratio = 1.0 if r['variant'] == f'{name} (fused)' else fused.get(key)
+        row = [r['part'], 'x'.join(map(str, r['shape'])), str(_group(r)[2]), _group(r)[3],
+               r['variant'], f"{r['median_ms']:.1f}", '-' if ratio is None else f'{ratio:.2f}']
+        row += [f"{sp['speedup_vs'][short]:.2f}" if short in sp.get('speedup_vs', {}) else '-'
+                for short in refs]
+        if several_precisions:
+            row.append(f"{sp['speedup_vs_fp32']:.2f}" if 'speedup_vs_fp32' in sp else '-')
+        rows.append(row)
+    return rows
+
+
+def print_table(report, name):
+    rows = table_rows(report, name)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print('  '.join(c.ljust(w) for c, w in zip(row, widths)))
-    print(f"({machine_line(report['machine'])}, median of {report['repeat']} interleaved "
-          "runs; 'x fused' = variant latency / fused latency)")
+    print(f"({machine_line(report['machine'])}; {report.get('device', 'cpu')}, "
+          f"{report.get('timing', 'perf_counter')}, median of {report['repeat']} interleaved "
+          "runs; 'x fused' = variant latency / fused latency, same part, shape, batch and "
+          'precision)')
+    for short, variant in report.get('references', {}).items():
+        print(f"'vs {short}' = latency of {variant!r} / the variant's (>1: the variant is "
+              'faster), same part, shape, batch and precision')
+    if len(report.get('precisions', ['fp32'])) > 1:
+        print("'vs fp32' = the variant's fp32 latency / its latency in this precision")
     for run in report.get('compile', {}).get('first_calls', []):
-        print(f"{run['variant']} at {'x'.join(map(str, run['shape']))}: "
+        print(f"{run['variant']} at {'x'.join(map(str, run['shape']))} "
+              f"(batch {run.get('batch_size', 1)}, {run.get('precision', 'fp32')}): "
               f"{run['median_ms']:.1f} ms vs eager {run['eager_median_ms']:.1f} ms "
               f"(x{run['compiled_over_eager']:.2f}); first call {run['first_call_s']:.1f} s, "
               f"{run['graphs_compiled']} graph(s) compiled (backend "
@@ -213,17 +335,22 @@ def print_table(report, name):
 def plot(report, path):
     parts = sorted({r['part'] for r in report['results']})
     with saved_figure(path, ncols=len(parts)) as (fig, axes):
+        lines = dict.fromkeys((r['variant'], _group(r)[2], _group(r)[3])
+                              for r in report['results'])
+        several = len({line[1:] for line in lines}) > 1
         for ax, part in zip(axes[0], parts):
-            for variant in dict.fromkeys(r['variant'] for r in report['results']):
+            for variant, batch, precision in lines:
                 rs = sorted((r for r in report['results'] if r['variant'] == variant and
-                             r['part'] == part), key=lambda r: r['shape'][0] * r['shape'][1])
+                             r['part'] == part and _group(r)[2:] == (batch, precision)),
+                            key=lambda r: r['shape'][0] * r['shape'][1])
                 if rs:
+                    label = f'{variant}, {precision}, batch {batch}' if several else variant
                     ax.plot([r['shape'][0] * r['shape'][1] / 1e6 for r in rs],
-                            [r['median_ms'] for r in rs], marker='o', label=variant)
+                            [r['median_ms'] / batch for r in rs], marker='o', label=label)
             ax.set_xlabel('input size (megapixels)')
             ax.set_ylabel('median latency per image (ms)')
-            ax.set_title(f'{part} latency, batch 1\n{machine_line(report["machine"])}',
-                         fontsize=9)
+            ax.set_title(f"{part} latency on {report.get('device', 'cpu')}\n"
+                         f'{machine_line(report["machine"])}', fontsize=9)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
 

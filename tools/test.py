@@ -2,7 +2,7 @@
 
     python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--out FILE_OR_DIR] [--show]
                          [--show-dir DIR] [--wait-time S] [--cfg-options KEY=VALUE ...]
-                         [--launcher {none,pytorch,slurm,mpi}] [--tta]
+                         [--launcher {none,pytorch,slurm,mpi}] [--tta] [--latency]
                          [--precision {fp32,bf16,int8,auto}]
                          [--backend {pytorch,onnxruntime,openvino} --export-dir DIR]
 
@@ -14,10 +14,11 @@ logged as usual and, on the main process, printed as one JSON line starting with
 ``--precision``: what the model computes in (``metrics.json`` records it as ``precision``):
 
 * ``fp32`` (default);
-* ``bf16`` (CPUs with avx512_bf16 / amx_bf16; refused elsewhere): PyTorch runs the backbone,
-  neck and heads under ``torch.autocast('cpu', torch.bfloat16)`` with float32 in between and
-  in the post-processing (NMS, mask pasting, resizing); ``--backend openvino`` computes the
-  fp32 export in bf16 (``INFERENCE_PRECISION_HINT``); onnxruntime has no bf16 on x86 CPUs;
+* ``bf16`` (CPUs with avx512_bf16 / amx_bf16, GPUs of compute capability 8.0+; refused
+  elsewhere): PyTorch runs the backbone, neck and heads under ``torch.autocast(device,
+  torch.bfloat16)`` with float32 in between and in the post-processing (NMS, mask pasting,
+  resizing); ``--backend openvino`` computes the fp32 export in bf16
+  (``INFERENCE_PRECISION_HINT``); onnxruntime has no bf16 on x86 CPUs;
 * ``int8`` (with ``--backend``): the export's INT8 artifact (``tools/export_onnx.py --int8``);
 * ``auto``: times fp32 and, where the CPU (and runtime) has it, bf16 on the first test batch
   and evaluates in bf16 only if it is at least 1.05x faster; never INT8, which changes the
@@ -25,6 +26,14 @@ logged as usual and, on the main process, printed as one JSON line starting with
   (``precision_auto``).
 
 ``--int8`` and ``--bf16`` are short for ``--precision int8`` / ``--precision bf16``.
+
+``--latency``: ``ReparamEvalHook`` times every test step (pre-processing, model,
+post-processing; after 2 warm-up batches) of the fused model and of the unfused one, both
+in the precision evaluated, with CUDA events on a GPU (``time.perf_counter`` on the CPU),
+and writes ``WORK_DIR/latency.json`` (medians, speed-up, ``device``, ``precision``,
+``machine`` with the GPU's name, driver, CUDA and cuDNN versions). fp16 on a GPU:
+``dict(type='ReparamEvalHook', precision='fp16')`` in the config (evaluated and timed in
+fp16), or ``tools/benchmark.py --device cuda --precisions fp32 fp16`` for timing alone.
 
 ``--backend onnxruntime|openvino --export-dir DIR``: the model that ``tools/export_onnx.py
 CONFIG CHECKPOINT --out DIR`` exported runs in that runtime (``--precision int8``: its INT8
@@ -86,7 +95,9 @@ def parse_args(argv=None):
                         help='evaluate the fused (re-parameterized) model through '
                         'ReparamEvalHook (default: as the config says; mmslab configs fuse)')
     parser.add_argument('--latency', action='store_true',
-                        help='measure per-image latency (fused and unfused) into latency.json')
+                        help='measure per-image latency (fused and unfused, both in the '
+                        '--precision evaluated; CUDA events on a GPU) into latency.json, with '
+                        'the device, precision and machine (GPU name, driver, CUDA, cuDNN)')
     parser.add_argument('--backend', choices=BACKENDS, default='pytorch',
                         help='run the exported model part in this runtime (needs --export-dir)')
     parser.add_argument('--export-dir', help='directory written by tools/export_onnx.py --out')
@@ -263,18 +274,30 @@ def setup_runtime_backend(cfg: Config, args, scope: str) -> None:
 
 
 def setup_precision(cfg: Config, args) -> None:
-    """bf16: refuse on CPUs without bf16 units (before anything is built). PyTorch bf16 /
-    auto: add ``PrecisionHook`` (after ReparamEvalHook, on the fused copy)."""
+    """bf16: refuse where it is not computed natively (before anything is built): eager
+    PyTorch on the device the runner evaluates on (a CPU without avx512_bf16 / amx_bf16, a
+    GPU below compute capability 8.0), a runtime on a CPU without bf16 units. PyTorch bf16 /
+    auto: add ``PrecisionHook`` (after ReparamEvalHook, on the fused copy; ``--latency`` then
+    times the fused and the unfused model in that precision)."""
     if args.precision == 'bf16':
-        from mmslab.utils.machine import require_bf16
-        what = 'eager PyTorch bf16' if args.backend == 'pytorch' else f'{args.backend} bf16'
         try:
-            require_bf16(what)
+            if args.backend == 'pytorch':
+                from mmslab.engine.hooks.precision_hook import eval_device
+                from mmslab.utils.precision import check_autocast_precision
+                check_autocast_precision('bf16', eval_device(), 'eager PyTorch')
+            else:
+                from mmslab.utils.machine import require_bf16
+                require_bf16(f'{args.backend} bf16')
         except RuntimeError as err:
             raise SystemExit(f'error: {err}')
     if args.backend != 'pytorch' or args.precision == 'fp32':
         return
     hooks = [h for h in (cfg.get('custom_hooks', None) or []) if h.get('type') != 'PrecisionHook']
+    for hook in hooks:
+        if hook.get('type') == 'ReparamEvalHook' and hook.get('precision', 'fp32') != 'fp32':
+            raise SystemExit(f"error: --precision {args.precision} and the config's "
+                             f"ReparamEvalHook(precision={hook['precision']!r}) exclude each "
+                             'other; drop one (--cfg-options or the config)')
     hooks.append(dict(type='PrecisionHook', precision=args.precision))
     cfg.custom_hooks = hooks
 

@@ -1,11 +1,14 @@
-"""What machine a timing was taken on: CPU model, vector ISA level, BLAS, threads.
+"""What machine a timing was taken on: CPU model, vector ISA level, BLAS, threads, and the
+GPU when the timing ran on one (name, driver, CUDA and cuDNN versions, compute capability,
+memory).
 
-Speed ratios differ between CPUs (a kernel that wins on one loses on another), so every
-benchmark JSON records this next to its figures.
+Speed ratios differ between CPUs and GPUs (a kernel that wins on one loses on another), so
+every benchmark JSON records this next to its figures.
 """
 import platform
 import re
-from typing import Dict, List
+import subprocess
+from typing import Dict, List, Optional
 
 from .allocator import allocator_info
 
@@ -68,19 +71,68 @@ def require_bf16(what: str) -> None:
                            f'({cpu}) has neither. Use fp32 or int8.')
 
 
-def machine_info() -> dict:
+def nvidia_driver_version() -> Optional[str]:
+    """The NVIDIA driver version (``nvidia-smi --query-gpu=driver_version``), or None where
+    ``nvidia-smi`` is missing or fails."""
+    try:
+        proc = subprocess.run(['nvidia-smi', '--query-gpu=driver_version',
+                               '--format=csv,noheader'], capture_output=True, text=True,
+                              timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    return lines[0] if lines else None  # one driver serves every GPU of a machine
+
+
+def gpu_info(device='cuda') -> dict:
+    """The CUDA device ``device`` (``'cuda'``: the current one): ``name``, ``index``,
+    ``compute_capability`` (``'9.0'``), ``memory_gib``, ``multiprocessors``, ``driver``
+    (:func:`nvidia_driver_version`), ``cuda`` (``torch.version.cuda``), ``cudnn``
+    (``torch.backends.cudnn.version()``) and ``device_count``."""
+    import torch
+    device = torch.device(device)
+    if device.type != 'cuda':
+        raise ValueError(f'gpu_info: {device} is not a CUDA device')
+    index = torch.cuda.current_device() if device.index is None else device.index
+    props = torch.cuda.get_device_properties(index)
+    major, minor = torch.cuda.get_device_capability(index)
+    return dict(name=torch.cuda.get_device_name(index), index=index,
+                compute_capability=f'{major}.{minor}',
+                memory_gib=round(props.total_memory / 2**30, 1),
+                multiprocessors=getattr(props, 'multi_processor_count', None),
+                driver=nvidia_driver_version(), cuda=torch.version.cuda,
+                cudnn=torch.backends.cudnn.version(), device_count=torch.cuda.device_count())
+
+
+def machine_info(device=None) -> dict:
+    """The CPU, its ISA level and flags, BLAS, torch threads, torch / Python versions and the
+    memory allocator mode; with a CUDA ``device`` (where the timing runs) also ``gpu``
+    (:func:`gpu_info`). ``device`` None or a CPU device: no ``gpu`` entry."""
     import torch
     info = _cpuinfo()
     flags = [f for f in info.get('flags', '').split() if f in _ISA_FLAGS]
-    return dict(cpu=info.get('model name', platform.processor() or 'unknown'),
-                isa=isa_level(flags), isa_flags=flags, blas=blas_backend(),
-                torch_threads=torch.get_num_threads(), torch=torch.__version__,
-                python=platform.python_version(), memory_allocator=allocator_info())
+    out = dict(cpu=info.get('model name', platform.processor() or 'unknown'),
+               isa=isa_level(flags), isa_flags=flags, blas=blas_backend(),
+               torch_threads=torch.get_num_threads(), torch=torch.__version__,
+               python=platform.python_version(), memory_allocator=allocator_info())
+    if device is not None and torch.device(device).type == 'cuda':
+        out['gpu'] = gpu_info(device)
+    return out
+
+
+def gpu_line(gpu: dict) -> str:
+    """``'NVIDIA H100 80GB HBM3 (sm 9.0, 79.1 GiB; CUDA 12.8, cuDNN 90100, driver 570.1)'``."""
+    return (f"{gpu['name']} (sm {gpu['compute_capability']}, {gpu['memory_gib']:g} GiB; "
+            f"CUDA {gpu['cuda']}, cuDNN {gpu['cudnn']}, driver {gpu['driver'] or 'unknown'})")
 
 
 def machine_line(info: dict = None) -> str:
-    """``'AMD EPYC (avx512, mkl), 2 threads'`` for tables and logs."""
+    """``'AMD EPYC (avx512, mkl), 2 threads'`` for tables and logs; a timing on a GPU names it
+    first: ``'NVIDIA H100 ... (sm 9.0, ...); host AMD EPYC (avx512, mkl), 2 threads'``."""
     info = info or machine_info()
     line = f"{info['cpu']} ({info['isa']}, {info['blas']}), {info['torch_threads']} threads"
     alloc = info.get('memory_allocator')
-    return line + (f", malloc {alloc['mode']}" if alloc else '')
+    line += f", malloc {alloc['mode']}" if alloc else ''
+    if info.get('gpu'):
+        return f"{gpu_line(info['gpu'])}; host {line}"
+    return line

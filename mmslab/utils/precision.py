@@ -1,11 +1,12 @@
 """The arithmetic precision a model is evaluated in: fp32, bf16 (where the CPU has it), INT8,
 or ``auto`` (the faster of fp32 and bf16, measured on the machine at hand).
 
-* eager PyTorch bf16 (:class:`Bf16Regions`): the network parts of a detector / segmentor
-  (backbone, neck, dense heads, the RoI heads' box and mask heads, decode heads) run under
-  ``torch.autocast('cpu', torch.bfloat16)`` and hand float32 tensors back, so everything
-  between and after them (box decoding, NMS, RoIAlign, mask pasting, the resize of the
-  logits) computes in float32, as in an fp32 run;
+* eager PyTorch bf16 (:class:`Bf16Regions`) and, for timing on a GPU, fp16
+  (:class:`AutocastRegions`): the network parts of a detector / segmentor (backbone, neck,
+  dense heads, the RoI heads' box and mask heads, decode heads) run under
+  ``torch.autocast(device, dtype)`` and hand float32 tensors back, so everything between
+  and after them (box decoding, NMS, RoIAlign, mask pasting, the resize of the logits)
+  computes in float32, as in an fp32 run;
 * runtimes: see :mod:`mmslab.deploy.runtimes` (OpenVINO ``INFERENCE_PRECISION_HINT``);
 * ``auto`` (:func:`auto_precision`) times fp32 and, where the CPU computes bf16 natively,
   bf16 on a real preprocessed batch and keeps bf16 only if it is at least
@@ -21,6 +22,9 @@ from mmslab.deploy.runtimes import PRECISIONS  # ('fp32', 'bf16', 'int8')
 
 #: What a model can be evaluated in; ``auto`` chooses between fp32 and bf16.
 CHOICES = PRECISIONS + ('auto', )
+#: Autocast precisions of eager PyTorch timing (``tools/benchmark.py --precisions``,
+#: ``benchmarks/backbone_speed.py``, ``ReparamEvalHook(precision=...)``): name -> dtype.
+PRECISION_DTYPES = dict(fp32=None, fp16=torch.float16, bf16=torch.bfloat16)
 #: bf16 must be this many times faster than fp32 for ``auto`` to choose it (timer noise of a
 #: few warm runs on a shared machine is a few per cent).
 AUTO_MARGIN = 1.05
@@ -29,7 +33,7 @@ AUTO_REPEAT = 3
 
 
 # ----------------------------------------------------------------------------------------------
-# eager bf16
+# eager autocast (bf16, fp16)
 # ----------------------------------------------------------------------------------------------
 
 def _to_float32(obj):
@@ -78,20 +82,47 @@ def network_parts(model: nn.Module) -> Iterator[nn.Module]:
             yield from expand(child)
 
 
-class Bf16Regions:
-    """Run ``model``'s network parts (:func:`network_parts`) in bf16 during its ``predict``.
+class AutocastRegions:
+    """Run ``model``'s network parts (:func:`network_parts`) under ``torch.autocast`` during
+    its ``predict``.
 
-    Each part's ``forward`` is wrapped: inside ``predict`` (the test step's path) it runs
-    under ``torch.autocast('cpu', dtype=torch.bfloat16)`` and its floating outputs are cast
-    back to float32; elsewhere (``extract_feat`` / ``_forward`` called directly, as
-    ``ReparamEvalHook``'s fused-vs-unfused check does) it runs in float32 as before.
-    ``enabled`` switches bf16 off and on (``auto`` times both); :meth:`remove` restores
-    the model.
+    Each part's ``forward`` is wrapped: inside ``predict`` (the test step's path, and
+    ``model(..., mode='predict')``) it runs under ``torch.autocast(device_type, dtype)`` and
+    its floating outputs are cast back to float32, so everything between and after the parts
+    (box decoding, NMS, RoIAlign, mask pasting, resizing) computes in float32; elsewhere
+    (``extract_feat`` / ``_forward`` called directly, as ``ReparamEvalHook``'s fused-vs-
+    unfused check does) it runs in float32 as before.
+
+    Args:
+        model: a detector or segmentor.
+        dtype: ``torch.bfloat16`` or ``torch.float16``; ``None``: off (float32). It may be
+            changed between calls (the timing tools switch one model between precisions).
+        device_type: of ``torch.autocast``; default: where ``model``'s parameters are.
+
+    A model has at most one set of regions (:meth:`of` finds it): a second is refused, as
+    ``PrecisionHook`` (``tools/test.py --precision``) and ``ReparamEvalHook(precision=...)``
+    on the same model would nest. :meth:`remove` restores the model.
     """
 
-    def __init__(self, model: nn.Module, enabled: bool = True):
+    _ATTR = '_mmslab_autocast_regions'
+
+    def __init__(self, model: nn.Module, dtype: Optional[torch.dtype] = torch.bfloat16,
+                 device_type: Optional[str] = None):
+        existing = AutocastRegions.of(model)
+        if existing is not None:
+            raise RuntimeError(
+                f'{type(model).__name__} already runs its network parts under autocast '
+                f'({existing.precision}); one precision at a time: ReparamEvalHook(precision=) '
+                'and PrecisionHook (tools/test.py --precision) exclude each other')
+        if dtype == torch.float32:
+            dtype = None
+        if dtype not in PRECISION_DTYPES.values():
+            raise ValueError(f'autocast dtype {dtype}; valid: torch.float16, torch.bfloat16, '
+                             'None (float32)')
+        from mmslab.utils.timing import module_device
         self.model = model
-        self.enabled = enabled
+        self.dtype = dtype
+        self.device_type = device_type or module_device(model).type
         self._active = 0
         self._patched = []
         for part in network_parts(model):
@@ -99,8 +130,23 @@ class Bf16Regions:
         self._wrap(model, 'predict', self._region)
         if len(self._patched) < 2:
             self.remove()
-            raise RuntimeError(f'bf16: found no network parts in {type(model).__name__} '
+            raise RuntimeError(f'autocast: found no network parts in {type(model).__name__} '
                                '(expected a detector or segmentor with a backbone)')
+        setattr(model, self._ATTR, self)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Optional['AutocastRegions']:
+        """The regions set on ``model``, or None."""
+        return vars(model).get(cls._ATTR)
+
+    @property
+    def precision(self) -> str:
+        """What the parts compute in now: ``'fp32'``, ``'fp16'`` or ``'bf16'``."""
+        return precision_name(self.dtype)
+
+    @property
+    def enabled(self) -> bool:
+        return self.dtype is not None
 
     def _wrap(self, module: nn.Module, name: str, make):
         if not hasattr(module, name):
@@ -121,9 +167,9 @@ class Bf16Regions:
 
     def _autocast(self, fn: Callable) -> Callable:
         def forward(*args, **kwargs):
-            if not (self.enabled and self._active):
+            if self.dtype is None or not self._active:
                 return fn(*args, **kwargs)
-            with torch.autocast('cpu', dtype=torch.bfloat16):
+            with torch.autocast(self.device_type, dtype=self.dtype):
                 out = fn(*args, **kwargs)
             return _to_float32(out)
         return forward
@@ -139,6 +185,79 @@ class Bf16Regions:
             elif name in vars(module):
                 delattr(module, name)
         self._patched = []
+        if AutocastRegions.of(self.model) is self:
+            delattr(self.model, self._ATTR)
+
+
+class Bf16Regions(AutocastRegions):
+    """:class:`AutocastRegions` in bf16 that ``enabled`` switches on and off (``auto`` times
+    both): the eager bf16 evaluation of ``PrecisionHook``."""
+
+    def __init__(self, model: nn.Module, enabled: bool = True):
+        super().__init__(model, torch.bfloat16 if enabled else None)
+
+    @AutocastRegions.enabled.setter
+    def enabled(self, value: bool) -> None:
+        self.dtype = torch.bfloat16 if value else None
+
+
+# ----------------------------------------------------------------------------------------------
+# autocast precisions of the timing tools and ReparamEvalHook
+# ----------------------------------------------------------------------------------------------
+
+def precision_name(dtype: Optional[torch.dtype]) -> str:
+    """``None`` / ``torch.float32`` -> ``'fp32'``, ``torch.float16`` -> ``'fp16'``,
+    ``torch.bfloat16`` -> ``'bf16'``."""
+    for name, value in PRECISION_DTYPES.items():
+        if value == dtype:
+            return name
+    if dtype == torch.float32:
+        return 'fp32'
+    raise ValueError(f'no precision name for {dtype}; valid: {", ".join(PRECISION_DTYPES)}')
+
+
+def autocast_dtype(precision: str) -> Optional[torch.dtype]:
+    """The autocast dtype of ``precision`` (``'fp32'``: None, no autocast)."""
+    if precision not in PRECISION_DTYPES:
+        raise ValueError(f'precision {precision!r}; valid: {", ".join(PRECISION_DTYPES)}')
+    return PRECISION_DTYPES[precision]
+
+
+def check_autocast_precision(precision: str, device, what: str = 'eager PyTorch') -> None:
+    """Refuse an autocast ``precision`` that ``device`` does not compute natively.
+
+    * fp16 on the CPU: refused (PyTorch's CPU fp16 kernels are not faster than fp32 and the
+      timing would mean nothing); fp16 is a GPU precision;
+    * bf16 on the CPU: :func:`mmslab.utils.machine.require_bf16` (avx512_bf16 / amx_bf16);
+    * bf16 on a CUDA device: compute capability 8.0+ (:func:`no_cuda_bf16_reason`).
+
+    Raises ``ValueError`` (unknown precision, fp16 on the CPU) or ``RuntimeError`` (no bf16
+    units), naming what is valid.
+    """
+    autocast_dtype(precision)  # a known name
+    device = torch.device(device)
+    if precision == 'fp16' and device.type == 'cpu':
+        raise ValueError(f'{what} fp16 on the CPU: PyTorch has no fast CPU fp16 path, so the '
+                         'figure would mean nothing. Valid on cpu: fp32, bf16 (CPUs with '
+                         'avx512_bf16 / amx_bf16); fp16 needs a CUDA device (--device cuda)')
+    if precision == 'bf16':
+        if device.type == 'cpu':
+            from mmslab.utils.machine import require_bf16
+            require_bf16(f'{what} bf16')
+        elif device.type == 'cuda':
+            why_not = no_cuda_bf16_reason(device)
+            if why_not:
+                raise RuntimeError(f'{what} bf16 on {device}: {why_not}. Valid: fp32, fp16')
+
+
+def no_cuda_bf16_reason(device) -> Optional[str]:
+    """Why the CUDA ``device`` has no native bf16 (compute capability below 8.0), or None.
+    (``torch.cuda.is_bf16_supported()`` also accepts emulated bf16, which is slow.)"""
+    major, minor = torch.cuda.get_device_capability(device)
+    if major >= 8:
+        return None
+    return (f'this GPU ({torch.cuda.get_device_name(device)}, compute capability '
+            f'{major}.{minor}) has no bf16 support (8.0+ needed)')
 
 
 # ----------------------------------------------------------------------------------------------

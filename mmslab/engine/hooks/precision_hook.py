@@ -12,7 +12,21 @@ from mmslab.utils.precision import (AUTO_MARGIN, AUTO_REPEAT, AUTO_WARMUP, Bf16R
 EAGER_PRECISIONS = ('fp32', 'bf16', 'auto')
 
 
-def _no_bf16_reason() -> Optional[str]:
+def eval_device() -> str:
+    """Where the runner evaluates: mmengine's ``get_device()`` (``'cuda'`` where available)."""
+    from mmengine.device import get_device
+    return get_device()
+
+
+def _no_bf16_reason(device='cpu') -> Optional[str]:
+    """Why ``device`` cannot compute bf16 natively, or None if it can."""
+    import torch
+    device = torch.device(device)
+    if device.type == 'cuda':
+        from mmslab.utils.precision import no_cuda_bf16_reason
+        return no_cuda_bf16_reason(device)
+    if device.type != 'cpu':
+        return None
     from mmslab.utils.machine import _cpuinfo, has_bf16
     if has_bf16():
         return None
@@ -27,10 +41,12 @@ class PrecisionHook(Hook):
     Args:
         precision: 'bf16': the network parts (backbone, neck, heads) under
             ``torch.autocast('cpu', torch.bfloat16)``, float32 in between and after
-            (:class:`mmslab.utils.precision.Bf16Regions`); refused on CPUs without
-            avx512_bf16 / amx_bf16. 'auto': time fp32 and, where the CPU has bf16, bf16 on
-            the first test batch (``warmup`` + ``repeat`` interleaved test steps each) and
-            evaluate in bf16 only if it is at least ``margin`` times faster. 'fp32': nothing.
+            (:class:`mmslab.utils.precision.Bf16Regions`; ``torch.autocast('cuda', ...)``
+            where the model is on a GPU); refused on CPUs without avx512_bf16 / amx_bf16 and
+            on GPUs below compute capability 8.0. 'auto': time fp32 and, where the device has
+            bf16, bf16 on the first test batch (``warmup`` + ``repeat`` interleaved test steps
+            each) and evaluate in bf16 only if it is at least ``margin`` times faster.
+            'fp32': nothing.
         warmup, repeat, margin: of the ``auto`` measurement.
 
     Its priority (HIGH) is below ``ReparamEvalHook`` (VERY_HIGH): the bf16 regions are set
@@ -48,8 +64,8 @@ class PrecisionHook(Hook):
                              f'{", ".join(EAGER_PRECISIONS)} (int8 runs an exported INT8 model '
                              'in onnxruntime / OpenVINO: tools/test.py --backend ...)')
         if precision == 'bf16':
-            from mmslab.utils.machine import require_bf16
-            require_bf16('eager PyTorch bf16')
+            from mmslab.utils.precision import check_autocast_precision
+            check_autocast_precision('bf16', eval_device())
         if repeat < 1 or warmup < 0:
             raise ValueError(f'PrecisionHook: repeat >= 1 and warmup >= 0, got {repeat}, '
                              f'{warmup}')
@@ -63,8 +79,9 @@ class PrecisionHook(Hook):
         self.result = dict(precision=self.requested)
         if self.requested == 'fp32':
             return
-        why_not = _no_bf16_reason() if self.requested == 'auto' else None
+        from mmslab.utils.timing import module_device
         model = _unwrap(runner.model)
+        why_not = _no_bf16_reason(module_device(model)) if self.requested == 'auto' else None
         if why_not is None:
             self._regions = Bf16Regions(model, enabled=self.requested == 'bf16')
         if self.requested == 'auto':

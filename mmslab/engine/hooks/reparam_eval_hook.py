@@ -14,7 +14,10 @@ from mmengine.model import is_model_wrapper
 from mmslab.models.layers.deploy import Reparameterizable
 from mmslab.models.reparam import reparameterize
 from mmslab.registry import register_hook
-from mmslab.utils.timing import latency_stats, timed_ms
+from mmslab.utils.machine import machine_info
+from mmslab.utils.precision import (AutocastRegions, autocast_dtype,
+                                    check_autocast_precision)
+from mmslab.utils.timing import latency_stats, module_device, timed_ms, timing_method
 
 
 def _flatten_tensors(obj, out=None):
@@ -147,20 +150,36 @@ class ReparamEvalHook(Hook):
             module type that diverged.
         tolerance: relative tolerance of that check.
         measure_latency: time preprocessing + forward + post-processing per image (data
-            loading excluded), after ``warmup`` batches.
+            loading excluded), after ``warmup`` batches. On a CUDA device with CUDA events
+            (queued work waited for before and after each step), on the CPU with
+            ``time.perf_counter`` (:func:`mmslab.utils.timing.timed_ms`).
         warmup: batches not timed.
         compare_unfused: also time the unfused model on the same batches, alternating which
-            runs first, and report the ratio.
-        out_file: name of the JSON written to the work dir.
+            runs first, and report the ratio. The unfused model runs in the fused model's
+            precision (this hook's ``precision`` or ``PrecisionHook``'s).
+        precision: 'fp32' (default), 'fp16' or 'bf16': the evaluated model's network parts
+            (backbone, neck, heads) run under ``torch.autocast`` inside ``predict``, float32
+            in between and after (:class:`mmslab.utils.precision.AutocastRegions`); the
+            equivalence check still compares float32 features. fp16 needs a CUDA device,
+            bf16 a GPU of compute capability 8.0+ or a CPU with avx512_bf16 / amx_bf16
+            (checked when the evaluation starts). Excludes ``PrecisionHook``.
+        out_file: name of the JSON written to the work dir: the latency figures with the
+            ``device``, ``precision``, ``timing`` method and ``machine``
+            (:func:`mmslab.utils.machine.machine_info`; on a GPU with its ``gpu`` entry).
     """
 
     priority = 'VERY_HIGH'  # runs before CheckpointHook (VERY_LOW) in after_val_epoch
 
     def __init__(self, reparam: bool = True, check_equivalence: bool = True,
                  tolerance: float = 1e-3, measure_latency: bool = True, warmup: int = 2,
-                 compare_unfused: bool = False, out_file: str = 'latency.json'):
+                 compare_unfused: bool = False, precision: str = 'fp32',
+                 out_file: str = 'latency.json'):
         if warmup < 0:
             raise ValueError(f'warmup must be >= 0, got {warmup}')
+        try:
+            autocast_dtype(precision)
+        except ValueError as err:
+            raise ValueError(f'ReparamEvalHook: {err}') from None
         if tolerance <= 0:
             raise ValueError(f'tolerance must be > 0, got {tolerance}')
         self.reparam = reparam
@@ -169,6 +188,7 @@ class ReparamEvalHook(Hook):
         self.measure_latency = measure_latency
         self.warmup = warmup
         self.compare_unfused = compare_unfused
+        self.precision = precision
         self.out_file = out_file
         self._checked = False
         self._saved_model = None
@@ -183,6 +203,9 @@ class ReparamEvalHook(Hook):
     def _enter(self, runner, mode: str) -> None:
         original = runner.model
         inner = self._inner(original)
+        device = module_device(inner)
+        if self.precision != 'fp32':  # before anything changes
+            check_autocast_precision(self.precision, device, 'ReparamEvalHook')
         was_training = inner.training
         inner.eval()
         if self.reparam:
@@ -191,7 +214,11 @@ class ReparamEvalHook(Hook):
             fused = inner
         self._saved_model = (original, was_training)
         self._active = dict(mode=mode, inner=inner, fused=fused, fused_ms=[], unfused_ms=[],
-                            batches=0, max_diff=None)
+                            batches=0, max_diff=None, device=device, precision='fp32',
+                            regions=[])
+        if self.precision != 'fp32':
+            self._active['regions'].append(
+                AutocastRegions(fused, autocast_dtype(self.precision), device.type))
         self._wrap_step(fused, mode)
         runner.model = fused  # the loop calls runner.model.val_step/test_step on the copy
 
@@ -206,6 +233,8 @@ class ReparamEvalHook(Hook):
         step_name = 'val_step' if active['mode'] == 'val' else 'test_step'
         if step_name in vars(fused):
             delattr(fused, step_name)  # drop the timing wrapper (matters when not fused)
+        for regions in reversed(active['regions']):  # this hook's: the training model's too
+            regions.remove()
         self._saved_model = None
         if self.measure_latency:
             self._report(runner)
@@ -217,20 +246,24 @@ class ReparamEvalHook(Hook):
         active = self._active
         inner = active['inner']
         unfused_step = getattr(inner, step_name)
+        compare = self.compare_unfused and self.reparam
 
         def timed(data_batch):
             if self.reparam and self.check_equivalence and not self._checked:
                 self._check(inner, fused, data_batch)
             n_img = len(data_batch['inputs']) if isinstance(data_batch, dict) else 1
             timed_run = self.measure_latency and active['batches'] >= self.warmup
+            fused_regions = AutocastRegions.of(fused)  # this hook's or PrecisionHook's
+            active['precision'] = fused_regions.precision if fused_regions else 'fp32'
             order = [('fused', fused_step)]
-            if self.compare_unfused and self.reparam:
+            if compare:
+                self._match_precision(inner, fused_regions)
                 order.append(('unfused', unfused_step))
                 if active['batches'] % 2:
                     order.reverse()
             result = None
             for label, fn in order:
-                out, dt = timed_ms(lambda: fn(data_batch))
+                out, dt = timed_ms(lambda: fn(data_batch), active['device'])
                 dt /= max(n_img, 1)
                 if label == 'fused':
                     result = out
@@ -240,6 +273,17 @@ class ReparamEvalHook(Hook):
             return result
 
         setattr(fused, step_name, timed)
+
+    def _match_precision(self, inner: nn.Module, fused_regions) -> None:
+        """Run the unfused model in the fused model's current precision (for a fair ratio):
+        autocast regions on it, created on first need and removed in ``_exit``."""
+        regions = AutocastRegions.of(inner)
+        if regions is None:
+            if fused_regions is None or fused_regions.dtype is None:
+                return
+            regions = AutocastRegions(inner, fused_regions.dtype, fused_regions.device_type)
+            self._active['regions'].append(regions)
+        regions.dtype = fused_regions.dtype if fused_regions is not None else None
 
     def _check(self, inner: nn.Module, fused: nn.Module, data_batch) -> None:
         with torch.no_grad():
@@ -266,8 +310,9 @@ class ReparamEvalHook(Hook):
         unfused_ms = [t for r in per_rank for t in r['unfused']]
         diffs = [r['max_diff'] for r in per_rank if r['max_diff'] is not None]
         fused = _summary(fused_ms)
-        result = dict(mode=active['mode'], reparameterized=self.reparam,
-                      device=str(next(active['inner'].parameters()).device),
+        device = active['device']
+        result = dict(mode=active['mode'], reparameterized=self.reparam, device=str(device),
+                      precision=active['precision'], timing=timing_method(device),
                       threads=torch.get_num_threads(), warmup_batches=self.warmup,
                       world_size=world_size, images=len(fused_ms),
                       images_per_rank=[len(r['fused']) for r in per_rank],
@@ -283,8 +328,10 @@ class ReparamEvalHook(Hook):
             result['unfused'] = unfused
             if unfused.get('count') and fused.get('count'):
                 result['speedup_median'] = unfused['median_ms'] / fused['median_ms']
+        result['machine'] = machine_info(device)
         self.last_result = result
-        lines = [f"{active['mode']} latency per image ({'fused' if self.reparam else 'as is'}): "
+        lines = [f"{active['mode']} latency per image ({'fused' if self.reparam else 'as is'}, "
+                 f"{device} {active['precision']}): "
                  f"median {fused.get('median_ms', float('nan')):.1f} ms, "
                  f"mean {fused.get('mean_ms', float('nan')):.1f} ms, "
                  f"p90 {fused.get('p90_ms', float('nan')):.1f} ms, "
