@@ -399,14 +399,20 @@ def choose_window_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: 
 
 def _time_implementations(q, k, v, mask, scale, repeat: int = 3) -> dict:
     # Interleaved, best of `repeat`: machine noise hits both alike and is filtered out.
+    # On a GPU, kernels run asynchronously: synchronize so the clock measures them.
+    def sync():
+        if q.is_cuda:
+            torch.cuda.synchronize(q.device)
     times = {name: float('inf') for name in WINDOW_SOFTMAX_IMPLS}
     with torch.no_grad():
         for fn in WINDOW_SOFTMAX_IMPLS.values():
             fn(q, k, v, mask, scale)  # warm-up (allocations, kernel selection)
         for _ in range(repeat):
             for name, fn in WINDOW_SOFTMAX_IMPLS.items():
+                sync()
                 t0 = time.perf_counter()
                 fn(q, k, v, mask, scale)
+                sync()
                 times[name] = min(times[name], (time.perf_counter() - t0) * 1000.0)
     impl = min(times, key=times.get)
     return dict(impl=impl, sdpa_ms=times['sdpa'], matmul_ms=times['matmul'])

@@ -1,0 +1,82 @@
+"""The GPU acceptance command refuses clearly without a GPU, and its table reads the benchmark
+JSON the way the benchmark writes it."""
+import os
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, TOOLS, load_tool
+
+
+def test_gpu_check_refuses_without_a_gpu(tmp_path):
+    # no nvidia-smi on PATH (this CI machine has none; a PATH without it makes sure)
+    env = dict(os.environ, PATH=f'{tmp_path}{os.pathsep}/usr/bin{os.pathsep}/bin')
+    proc = subprocess.run(['bash', osp.join(TOOLS, 'gpu_check.sh')], env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+    assert proc.returncode == 2
+    assert 'no NVIDIA GPU found' in proc.stderr and 'tools/demo.sh' in proc.stderr
+    assert '[install_deps' not in proc.stdout  # refused before installing anything
+
+
+def test_gpu_check_refuses_when_torch_sees_no_gpu(tmp_path):
+    """With a GPU listed but torch blind to it (an old driver), the Python part stops with
+    what torch reports instead of timing on the CPU."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip('this machine has a GPU')
+    proc = subprocess.run([sys.executable, osp.join(TOOLS, 'gpu_check.py'), '--out',
+                           str(tmp_path)], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, timeout=120)
+    assert proc.returncode != 0
+    assert 'torch.cuda.is_available() is False' in proc.stderr
+    assert 'cuda_build.py facts' in proc.stderr
+
+
+def test_gpu_check_table_reads_the_benchmark_json(tmp_path, monkeypatch, capsys):
+    """The table's medians and speed-ups are those of tools/benchmark.py's JSON (run here on
+    the CPU with a tiny model, fp32 and bf16), and the targets are judged from them."""
+    from test_benchmark_tools import NO_BF16_FLAGS, TINY_BASELINES, TINY_CFG
+    from conftest import load_script
+    from mmslab.utils import machine
+    monkeypatch.setattr(machine, 'cpu_flags', lambda: NO_BF16_FLAGS + ['amx_bf16'])
+    cfg = tmp_path / 'mask_rcnn_prepbn_swin_t_1x.py'  # named as a config with a target
+    cfg.write_text(TINY_CFG)
+    bench = load_script('tools/benchmark.py')
+    for name, backbone in TINY_BASELINES.items():
+        monkeypatch.setitem(bench.BASELINES, name, backbone)
+    report = bench.main([str(cfg), '--shapes', '64x64', '--repeat', '1', '--warmup', '0',
+                         '--device', 'cpu', '--precisions', 'fp32', 'bf16',
+                         '--baseline-backbone', 'swin_t', 'ln_swin_t', '--out',
+                         str(tmp_path / 'bench')])
+    check = load_tool('gpu_check')
+    timing = dict(name='mask_rcnn_prepbn_swin_t_1x', report=report)
+    rows = check.speed_rows(timing, ('fp32', 'bf16'))
+    assert {(r['part'], r['precision']) for r in rows} == {
+        (p, d) for p in ('model', 'backbone') for d in ('fp32', 'bf16')}
+    median = {(r['variant'], r['part'], r['precision']): r['median_ms']
+              for r in report['results']}
+    name = 'mask_rcnn_prepbn_swin_t_1x'
+    for row in rows:
+        key = (row['part'], row['precision'])
+        fused = median[(f'{name} (fused)', *key)]
+        mmdet = median[(f'{name} with swin_t backbone (LN)', *key)]
+        control = median[(f'{name} with ln_swin_t backbone (LN control, fused)', *key)]
+        assert row['fused_ms'] == fused and row['unfused_ms'] == median[(f'{name} (unfused)',
+                                                                           *key)]
+        assert row['vs_mmdet'] == pytest.approx(mmdet / fused)
+        assert row['vs_control'] == pytest.approx(control / fused)
+        if row['part'] == 'model':
+            assert row['targets'] == dict(vs_mmdet=1.19, vs_control=1.0)
+            assert row['met'] == (mmdet / fused >= 1.19 and control / fused >= 1.0)
+        else:
+            assert 'met' not in row
+    check.print_table(rows, 'test machine')
+    out = capsys.readouterr().out
+    assert 'prepbn_swin_t' in out and ('met' in out) and 'x mmdet' in out
+
+
+def test_gpu_check_rows_without_a_report_are_empty():
+    check = load_tool('gpu_check')
+    assert check.speed_rows(dict(name='x', report=None)) == []

@@ -1,0 +1,232 @@
+"""The GPU acceptance check (``bash tools/gpu_check.sh`` installs first, then runs this).
+
+    python tools/gpu_check.py [--iters 200] [--repeat 20] [--warmup 5] [--shape 800x1333]
+        [--configs CONFIG ...] [--skip-train] [--out work_dirs/gpu_check]
+
+1. mmcv's CUDA ops (nms, roi_align, sigmoid_focal_loss) against their CPU results;
+2. the demo SLAB-Swin-T Mask R-CNN trained with ``--amp`` on CUDA (``tools/dist_train.sh``
+   with 2 processes when 2+ GPUs), validated with the fused model through
+   ``ReparamEvalHook`` (its latency.json);
+3. ``tools/benchmark.py`` for each config: the whole Mask R-CNN and the backbone at
+   800x1333, fused / unfused / mmdet's Swin-T / mmslab's LayerNorm control, fp32 and fp16
+   (autocast), interleaved;
+4. one table (speed-ups vs mmdet's Swin-T and vs the LN control, with the targets of the
+   SLAB paper's Figure 5) and ``gpu_check.json``.
+"""
+import argparse
+import glob
+import json
+import os
+import os.path as osp
+import subprocess
+import sys
+import time
+
+REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+DEMO_CONFIG = 'configs/demo/mask_rcnn_slab_swin_t_demo.py'
+CONFIGS = ['configs/mask_rcnn_prepbn_swin_t_1x.py', 'configs/mask_rcnn_slab_swin_t_1x.py',
+           'configs/mask_rcnn_repa_swin_t_1x.py']
+PRECISIONS = ('fp32', 'fp16')
+#: minimum speed-up of the fused whole Mask R-CNN over mmdet's Swin-T (SLAB paper, Figure 5:
+#: V100, Swin-T 51 ms vs Swin-T-PRepBN 43 ms); and over the LayerNorm control, for every config
+TARGETS_VS_MMDET = {'mask_rcnn_prepbn_swin_t_1x': 1.19, 'mask_rcnn_repa_swin_t_1x': 1.3}
+TARGET_VS_CONTROL = 1.0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--iters', type=int, default=200, help='training iterations of the demo')
+    p.add_argument('--repeat', type=int, default=20, help='timed calls per variant')
+    p.add_argument('--warmup', type=int, default=5, help='untimed calls per variant')
+    p.add_argument('--shape', default='800x1333', help='timed input size HEIGHTxWIDTH')
+    p.add_argument('--configs', nargs='+', default=CONFIGS, help='configs to time')
+    p.add_argument('--skip-train', action='store_true', help='only the ops check and timing')
+    p.add_argument('--out', default='work_dirs/gpu_check')
+    args = p.parse_args(argv)
+    if args.iters < 1 or args.repeat < 1 or args.warmup < 0:
+        p.error('--iters and --repeat must be >= 1, --warmup >= 0')
+    return args
+
+
+def require_gpu():
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            'error: torch.cuda.is_available() is False (torch '
+            f'{torch.__version__}, built for CUDA {torch.version.cuda}): this is the GPU '
+            "acceptance check. Run 'python -P mmslab/utils/cuda_build.py facts' to see what the "
+            'driver and torch report.')
+    return torch.cuda.device_count()
+
+
+def run(cmd, log_path):
+    """Run a tool, its output shown and kept in ``log_path``; returns (exit code, seconds)."""
+    print('$ ' + ' '.join(cmd), flush=True)
+    t0 = time.time()
+    with open(log_path, 'w') as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+        code = proc.wait()
+    return code, time.time() - t0
+
+
+def train_demo(args, n_gpus, py):
+    work = osp.join(args.out, 'train_amp')
+    opts = ['--work-dir', work, '--amp', '--cfg-options', f'train_cfg.max_iters={args.iters}',
+            f'train_cfg.val_interval={args.iters}',
+            f'default_hooks.checkpoint.interval={args.iters}']
+    if n_gpus >= 2:
+        cmd = ['bash', 'tools/dist_train.sh', DEMO_CONFIG, '2'] + opts
+    else:
+        cmd = [py, 'tools/train.py', DEMO_CONFIG] + opts
+    code, seconds = run(cmd, osp.join(args.out, 'train_amp.log'))
+    result = dict(command=' '.join(cmd), exit_code=code, seconds=seconds,
+                  processes=2 if n_gpus >= 2 else 1)
+    runs = sorted(glob.glob(osp.join(work, '*', 'vis_data', 'scalars.json')))
+    if runs:
+        with open(runs[-1]) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        losses = [r['loss'] for r in records if 'loss' in r]
+        evals = [r for r in records if 'coco/bbox_mAP' in r]
+        result.update(first_loss=losses[0] if losses else None,
+                      last_loss=losses[-1] if losses else None,
+                      loss_scale=[r['loss_scale'] for r in records if 'loss_scale' in r][-1:],
+                      bbox_mAP=evals[-1]['coco/bbox_mAP'] if evals else None,
+                      segm_mAP=evals[-1].get('coco/segm_mAP') if evals else None)
+    latency = osp.join(work, 'latency.json')
+    if osp.exists(latency):
+        with open(latency) as f:
+            result['hook_latency'] = json.load(f)
+    return result
+
+
+def time_config(args, config, py):
+    name = osp.splitext(osp.basename(config))[0]
+    out = osp.join(args.out, 'speed', name)
+    cmd = [py, 'tools/benchmark.py', config, '--device', 'cuda', '--precisions', *PRECISIONS,
+           '--shapes', args.shape, '--parts', 'model', 'backbone',
+           '--baseline-backbone', 'swin_t', 'ln_swin_t', '--repeat', str(args.repeat),
+           '--warmup', str(args.warmup), '--out', out,
+           # random weights: keep every detection (up to 100) so that every model's mask
+           # head gets the same work and the whole-model times compare like with like
+           '--cfg-options', 'model.test_cfg.rcnn.score_thr=0.0']
+    code, seconds = run(cmd, osp.join(args.out, f'speed_{name}.log'))
+    report = None
+    if code == 0:
+        with open(osp.join(out, 'benchmark.json')) as f:
+            report = json.load(f)
+    return dict(config=config, name=name, command=' '.join(cmd), exit_code=code,
+                seconds=seconds, report=report)
+
+
+def speed_rows(timing, precisions=PRECISIONS):
+    """One row per (config, part, precision) at batch 1: the medians of tools/benchmark.py's
+    JSON and the fused model's speed-ups over mmdet's Swin-T and over the LN control."""
+    rows = []
+    report = timing['report']
+    if not report:
+        return rows
+    name = timing['name']
+    med = {(r['variant'], r['part'], r['precision']): r['median_ms']
+           for r in report['results'] if r.get('batch_size', 1) == 1}
+    for part in ('model', 'backbone'):
+        for prec in precisions:
+            def get(suffix):
+                return med.get((f'{name}{suffix}', part, prec))
+            fused, unfused = get(' (fused)'), get(' (unfused)')
+            mmdet = get(' with swin_t backbone (LN)')
+            control = get(' with ln_swin_t backbone (LN control, fused)')
+            if fused is None:
+                continue
+            row = dict(config=name, part=part, precision=prec, fused_ms=fused,
+                       unfused_ms=unfused, mmdet_swin_t_ms=mmdet, ln_control_ms=control,
+                       vs_mmdet=mmdet / fused if mmdet else None,
+                       vs_control=control / fused if control else None)
+            if part == 'model':
+                target = TARGETS_VS_MMDET.get(name)
+                row['targets'] = dict(vs_mmdet=target, vs_control=TARGET_VS_CONTROL)
+                row['met'] = ((target is None or (row['vs_mmdet'] or 0) >= target) and
+                              (row['vs_control'] or 0) >= TARGET_VS_CONTROL)
+            rows.append(row)
+    return rows
+
+
+def print_table(rows, gpu_line):
+    head = ('config', 'part', 'prec', 'fused', 'unfused', 'mmdet Swin-T', 'LN control',
+            'x mmdet', 'x control', 'target')
+
+    def ms(v):
+        return '-' if v is None else f'{v:.1f}'
+
+    def ratio(v):
+        return '-' if v is None else f'{v:.2f}'
+    table = [head]
+    for r in rows:
+        target = ''
+        if 'met' in r:
+            t = r['targets']
+            want = (f">={t['vs_mmdet']} mmdet, " if t['vs_mmdet'] else '') + \
+                f">={t['vs_control']} ctrl"
+            target = f"{want}: {'met' if r['met'] else 'NOT met'}"
+        table.append((r['config'].replace('mask_rcnn_', '').replace('_1x', ''), r['part'],
+                      r['precision'], ms(r['fused_ms']), ms(r['unfused_ms']),
+                      ms(r['mmdet_swin_t_ms']), ms(r['ln_control_ms']), ratio(r['vs_mmdet']),
+                      ratio(r['vs_control']), target))
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    for row in table:
+        print('  '.join(c.ljust(w) for c, w in zip(row, widths)))
+    print(f'(median ms per image, batch 1, {gpu_line}; x = baseline ms / fused ms)')
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    n_gpus = require_gpu()
+    from mmslab.utils.cuda_build import verify_cuda_ops_on_gpu
+    from mmslab.utils.machine import machine_info, machine_line
+    machine = machine_info(device='cuda')
+    report = dict(machine=machine, gpus=n_gpus, shape=args.shape, repeat=args.repeat,
+                  warmup=args.warmup)
+    print('== mmcv CUDA ops vs CPU')
+    report['mmcv_cuda_ops'] = verify_cuda_ops_on_gpu()
+    print('\n'.join(report['mmcv_cuda_ops']))
+    py = sys.executable
+    if not args.skip_train:
+        print(f'== demo training with --amp ({args.iters} iterations)')
+        code, _ = run([py, 'tools/make_demo_data.py', '--kind', 'coco'],
+                      osp.join(args.out, 'make_demo_data.log'))
+        if code:
+            raise SystemExit('error: tools/make_demo_data.py failed (see above)')
+        report['train'] = train_demo(args, n_gpus, py)
+    print('== latency at ' + args.shape)
+    report['timings'] = [time_config(args, c, py) for c in args.configs]
+    report['table'] = [row for t in report['timings'] for row in speed_rows(t)]
+    failed = [t['config'] for t in report['timings'] if t['exit_code']]
+    if not args.skip_train and report['train']['exit_code']:
+        failed.insert(0, 'training')
+    report['failed'] = failed
+    with open(osp.join(args.out, 'gpu_check.json'), 'w') as f:
+        json.dump(report, f, indent=2, default=str)
+    print('\n== GPU acceptance check')
+    if not args.skip_train:
+        t = report['train']
+        lat = t.get('hook_latency') or {}
+        print(f"training ({t['processes']} process(es), --amp, {args.iters} iterations): exit "
+              f"{t['exit_code']}, loss {t.get('first_loss')} -> {t.get('last_loss')}, "
+              f"bbox mAP {t.get('bbox_mAP')}, segm mAP {t.get('segm_mAP')}, "
+              f"{t['seconds']:.0f} s; fused model through ReparamEvalHook: "
+              f"{(lat.get('fused') or {}).get('median_ms', float('nan')):.1f} ms/img median")
+    print_table(report['table'], machine_line(machine))
+    print(f"wrote {osp.join(args.out, 'gpu_check.json')}")
+    if failed:
+        raise SystemExit(f'error: failed steps: {", ".join(failed)} (logs in {args.out})')
+    return report
+
+
+if __name__ == '__main__':
+    main()
