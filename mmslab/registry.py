@@ -4,7 +4,8 @@ mmdet's and mmseg's ``MODELS`` registries are siblings under mmengine's root reg
 class registered in one is invisible from a config of the other. Every mmslab model component is
 therefore registered in three places: mmslab's own ``MODELS`` (a child of the root, used when
 mmslab builds its own sub-layers with no default scope), mmdet's and mmseg's ``MODELS``.
-Hooks go into mmengine's root ``HOOKS`` so both codebases find them.
+Hooks go into mmengine's root ``HOOKS`` and optimizer wrappers into its root
+``OPTIM_WRAPPERS``, so both codebases find them.
 
 Registering a name that mmdet, mmseg or mmslab already has is an error at import time.
 """
@@ -12,10 +13,12 @@ from typing import Callable, Optional
 
 from mmengine.registry import HOOKS as MMENGINE_HOOKS
 from mmengine.registry import MODELS as MMENGINE_MODELS
+from mmengine.registry import OPTIM_WRAPPERS as MMENGINE_OPTIM_WRAPPERS
 from mmengine.registry import Registry
 
 MODELS = Registry('model', parent=MMENGINE_MODELS, scope='mmslab', locations=['mmslab.models'])
 HOOKS = MMENGINE_HOOKS
+OPTIM_WRAPPERS = MMENGINE_OPTIM_WRAPPERS
 
 _SIBLINGS = None
 
@@ -69,6 +72,23 @@ def register_hook(name: Optional[str] = None) -> Callable[[type], type]:
         MMSEG_HOOKS.import_from_location()
         _check_free(key, (HOOKS, MMDET_HOOKS, MMSEG_HOOKS))
         HOOKS.register_module(name=key, module=cls)
+        return cls
+
+    return _register
+
+
+def register_optim_wrapper(name: Optional[str] = None) -> Callable[[type], type]:
+    """Class decorator: register an optimizer wrapper in mmengine's root ``OPTIM_WRAPPERS``
+    (found from mmdet's and mmseg's configs, whose registries are its children)."""
+
+    def _register(cls: type) -> type:
+        key = name or cls.__name__
+        from mmdet.registry import OPTIM_WRAPPERS as MMDET_OPTIM_WRAPPERS
+        from mmseg.registry import OPTIM_WRAPPERS as MMSEG_OPTIM_WRAPPERS
+        MMDET_OPTIM_WRAPPERS.import_from_location()
+        MMSEG_OPTIM_WRAPPERS.import_from_location()
+        _check_free(key, (OPTIM_WRAPPERS, MMDET_OPTIM_WRAPPERS, MMSEG_OPTIM_WRAPPERS))
+        OPTIM_WRAPPERS.register_module(name=key, module=cls)
         return cls
 
     return _register

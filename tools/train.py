@@ -1,10 +1,14 @@
 """Train an mmdet or mmseg model with mmslab's components registered.
 
-    python tools/train.py CONFIG [--work-dir DIR] [--amp] [--auto-scale-lr] [--resume [CKPT]]
+    python tools/train.py CONFIG [--work-dir DIR] [--amp [--amp-dtype {float16,bfloat16}]]
+                                 [--auto-scale-lr] [--resume [CKPT]]
                                  [--cfg-options KEY=VALUE ...] [--launcher {none,pytorch,slurm,mpi}]
 
 The config's ``default_scope`` ('mmdet' or 'mmseg') selects the codebase. ``--resume`` without a
-path resumes from the latest checkpoint in the work directory. Multi-process training:
+path resumes from the latest checkpoint in the work directory. ``--amp`` trains in mixed
+precision: float16 (or ``--amp-dtype bfloat16``) with mmengine's ``AmpOptimWrapper`` on a GPU,
+bfloat16 with ``CPUAmpOptimWrapper`` on a CPU with bf16 units (docs/methods.md, "Precision
+map"). Multi-process training:
 ``tools/dist_train.sh CONFIG NPROC [args]``; on a machine without CUDA the processes talk over gloo.
 """
 import argparse
@@ -17,11 +21,11 @@ from mmengine.runner import Runner
 
 import mmslab  # noqa: F401  (registers mmslab's components)
 import mmslab.engine  # noqa: F401  (weights-only checkpoint loading for mmengine)
+from mmslab.engine.optim_wrapper import AMP_DTYPES, AmpConfigError, amp_optim_wrapper_cfg
 from mmslab.utils import DataNotFoundError, check_data_root
 from mmslab.utils.launch import (add_launcher_args, export_local_rank, load_config,
                                  set_work_dir, setup_cpu_distributed,
                                  teardown_cpu_distributed)
-
 
 
 def parse_args(argv=None):
@@ -29,7 +33,12 @@ def parse_args(argv=None):
     parser.add_argument('config', help='train config file path')
     parser.add_argument('--work-dir', help='the directory to save logs and checkpoints')
     parser.add_argument('--amp', action='store_true',
-                        help='enable automatic mixed precision training (needs a GPU)')
+                        help='mixed precision training: float16 autocast with loss scaling on '
+                        'a GPU (AmpOptimWrapper), bfloat16 autocast on a CPU with bf16 units '
+                        '(CPUAmpOptimWrapper)')
+    parser.add_argument('--amp-dtype', choices=AMP_DTYPES,
+                        help='autocast dtype of --amp (default: float16 on a GPU, bfloat16 on '
+                        'a CPU; a CPU takes bfloat16 only)')
     parser.add_argument('--auto-scale-lr', action='store_true',
                         help='scale the learning rate with the total batch size '
                         '(uses auto_scale_lr.base_batch_size of the config)')
@@ -42,25 +51,32 @@ def parse_args(argv=None):
                         'key="[(a,b),(c,d)]"')
     add_launcher_args(parser)
     args = parser.parse_args(argv)
+    if args.amp_dtype and not args.amp:
+        parser.error('--amp-dtype chooses the dtype of --amp; add --amp')
     export_local_rank(args)
     return args
 
 
-def enable_amp(cfg: Config) -> None:
+def enable_amp(cfg: Config, dtype=None) -> None:
+    """Switch ``cfg.optim_wrapper`` to the AMP wrapper of this machine (see
+    :func:`mmslab.engine.optim_wrapper.amp_optim_wrapper_cfg`)."""
     from mmengine.device import get_device
-    if get_device() == 'cpu':
-        raise SystemExit('error: --amp needs a GPU (mmengine\'s AmpOptimWrapper does not run '
-                         'on CPU); drop --amp on this machine.')
-    optim_wrapper = cfg.optim_wrapper.get('type', 'OptimWrapper')
-    if optim_wrapper == 'AmpOptimWrapper':
-        print_log('AMP training is already enabled in the config.', logger='current',
-                  level=logging.WARNING)
-        return
-    if optim_wrapper != 'OptimWrapper':
-        raise SystemExit(f'error: --amp only works with optim_wrapper.type=OptimWrapper, the '
-                         f'config has {optim_wrapper}.')
-    cfg.optim_wrapper.type = 'AmpOptimWrapper'
-    cfg.optim_wrapper.loss_scale = 'dynamic'
+
+    from mmslab.utils.machine import has_bf16
+    if cfg.get('optim_wrapper') is None:
+        raise SystemExit('error: --amp needs an optim_wrapper in the config (it trains).')
+    before = cfg.optim_wrapper.get('type', 'OptimWrapper')
+    try:
+        wrapper = amp_optim_wrapper_cfg(cfg.optim_wrapper, get_device(), has_bf16(), dtype)
+    except AmpConfigError as err:
+        raise SystemExit(f'error: {err}')
+    if before == wrapper['type']:
+        print_log(f'AMP training is already enabled in the config ({before}).',
+                  logger='current', level=logging.WARNING)
+    cfg.optim_wrapper = wrapper
+    print_log(f"AMP: {wrapper['type']}, {wrapper['dtype']} autocast"
+              + (f", loss_scale={wrapper['loss_scale']}" if 'loss_scale' in wrapper else ''),
+              logger='current')
 
 
 def enable_auto_scale_lr(cfg: Config) -> None:
@@ -82,7 +98,7 @@ def main(argv=None):
     set_work_dir(cfg, args.work_dir, args.config)
 
     if args.amp:
-        enable_amp(cfg)
+        enable_amp(cfg, args.amp_dtype)
     if args.auto_scale_lr:
         enable_auto_scale_lr(cfg)
 

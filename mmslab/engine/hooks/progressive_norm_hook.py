@@ -24,6 +24,28 @@ def set_progressive_iter(model: nn.Module, cur_iter: int) -> int:
     return count
 
 
+def optim_loss_scale(optim_wrapper) -> float:
+    """The factor this iteration's gradients carry: the ``GradScaler`` scale of an fp16
+    ``AmpOptimWrapper`` (read before the step updates it), 1 for any other wrapper."""
+    scaler = getattr(optim_wrapper, 'loss_scaler', None)
+    if scaler is None or not getattr(scaler, 'is_enabled', lambda: True)():
+        return 1.0
+    return float(scaler.get_scale())
+
+
+def set_loss_scale(model: nn.Module, scale: float) -> int:
+    """Tell every module with a ``set_loss_scale`` method (UN) the loss scale of the coming
+    backward; returns the number of modules set."""
+    if is_model_wrapper(model):
+        model = model.module
+    count = 0
+    for m in model.modules():
+        if callable(getattr(m, 'set_loss_scale', None)):
+            m.set_loss_scale(scale)
+            count += 1
+    return count
+
+
 def progressive_ratio(model: nn.Module) -> Optional[Tuple[float, float]]:
     """``(min, max)`` of the LayerNorm weight ``g`` over every PRepBN in ``model`` (None if
     there is none). Loaded norms of a converted release sit at 0 while norms that are new
@@ -38,7 +60,8 @@ def progressive_ratio(model: nn.Module) -> Optional[Tuple[float, float]]:
 
 @register_hook()
 class ProgressiveNormHook(Hook):
-    """Sets the training iteration on PRepBN/UN layers before every training iteration.
+    """Sets the training iteration on PRepBN/UN layers before every training iteration (and,
+    for UN's gradient statistics, the loss scale of fp16 mixed precision).
 
     The schedule is a function of ``runner.iter`` (so gradient accumulation or extra forward
     passes do not move it) and the iteration is also stored in each layer's buffers, so a
@@ -61,6 +84,8 @@ class ProgressiveNormHook(Hook):
 
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
         set_progressive_iter(runner.model, runner.iter)
+        # fp16 AMP scales the gradients; UN keeps its gradient statistics unscaled
+        set_loss_scale(runner.model, optim_loss_scale(runner.optim_wrapper))
         if self.log_ratio:
             g = progressive_ratio(runner.model)
             if g is not None:

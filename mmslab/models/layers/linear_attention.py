@@ -125,7 +125,7 @@ class BiNormAttention(Reparameterizable, WindowKernelBase):
     """BiNorm attention (ViBid, eq. 5) inside windows.
 
     Per head ``O = L2norm_channels(Q) @ L2norm_keychannels(K^T V)``: ``K^T V`` first (linear
-    in tokens), no softmax, no scale.
+    in tokens), no softmax, no scale. Computed in float32 even under autocast, as SLA.
     """
 
     uses_shift_mask = False
@@ -146,13 +146,20 @@ class BiNormAttention(Reparameterizable, WindowKernelBase):
                shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
                cache_key=None) -> Tensor:
         bw = qkv.shape[0]
-        q, k, v = qkv.split(self.embed_dims, dim=-1)
-        if valid is not None:
-            k = k * valid.to(k.dtype).repeat(bw // num_windows, 1).unsqueeze(-1)
-        q, k, v = (_split_heads(t, self.num_heads) for t in (q, k, v))
-        kv = F.normalize(k.transpose(-2, -1) @ v, dim=-2, eps=self.eps)  # over key channels
-        out = F.normalize(q, dim=-1, eps=self.eps) @ kv
-        return out.transpose(1, 2)
+        # K^T V sums over every token of the window (3136 in a 56 x 56 one): in float16 it
+        # overflows, and the L2 norms after it lose precision; float32 even under autocast.
+        # (Casts only where the dtype differs: fp32 graphs stay as they were.)
+        dtype = torch.promote_types(qkv.dtype, torch.float32)
+        low = qkv.dtype != dtype
+        with torch.autocast(device_type=qkv.device.type, enabled=False):
+            q, k, v = (qkv.to(dtype) if low else qkv).split(self.embed_dims, dim=-1)
+            if valid is not None:
+                k = k * valid.to(k.dtype).repeat(bw // num_windows, 1).unsqueeze(-1)
+            q, k, v = (_split_heads(t, self.num_heads) for t in (q, k, v))
+            kv = F.normalize(k.transpose(-2, -1) @ v, dim=-2, eps=self.eps)  # key channels
+            out = F.normalize(q, dim=-1, eps=self.eps) @ kv
+        out = out.transpose(1, 2)
+        return out.to(qkv.dtype) if low else out
 
 
 def _reject_unused(kwargs: dict, name: str) -> None:

@@ -58,6 +58,7 @@ active (the code also runs it during fill-up when ``warmup_iters < M``, against 
 the window is kept oldest-first instead of as a ring (means and variances do not depend on the
 order); several forwards/backwards in one iteration are supported (see :class:`UN`).
 """
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -190,6 +191,7 @@ class UN(FoldableNorm):
         self._iter_mode: Optional[Tuple[int, str]] = None  # (iteration, mode) of the last push
         self._iter_running: Optional[Tensor] = None  # running_var before that push (for r)
         self._num_recal = 0  # batches averaged while momentum is None (recalibration)
+        self._loss_scale = 1.0  # factor of this iteration's incoming gradients (fp16 AMP)
         if deploy:
             return
         c, m = self.num_features, self.window_size
@@ -218,6 +220,15 @@ class UN(FoldableNorm):
             return
         self.cur_iter.fill_(int(cur_iter))
         self._iter_driven = True
+
+    def set_loss_scale(self, scale: float) -> None:
+        """The factor that scales this iteration's incoming gradients (fp16 mixed precision:
+        the ``GradScaler``'s scale; 1 otherwise). Set before each iteration by
+        ``ProgressiveNormHook``. The gradient statistics are kept unscaled, so a loss scale
+        that changes between iterations does not bias their moving averages."""
+        if not scale > 0 or not math.isfinite(scale):
+            raise ValueError(f'UN loss scale must be a positive finite number, got {scale!r}')
+        self._loss_scale = float(scale)
 
     def reset_iter(self) -> None:
         """Restart from iteration 0 with empty windows, so the warm-up runs again.
@@ -290,10 +301,21 @@ class UN(FoldableNorm):
 
     @torch.no_grad()
     def _gradient_statistic(self, gz: Tensor, it: int, mode: str) -> Tensor:
-        """Return the gradient statistic used by the backward of iteration ``it``."""
+        """Return the gradient statistic used by the backward of iteration ``it``.
+
+        ``gz`` carries the loss scale (:meth:`set_loss_scale`); the windows and the EMA hold
+        unscaled values and the returned estimate is scaled back. A non-finite ``gz`` (an
+        fp16 overflow, whose step the ``GradScaler`` skips) is returned as is and recorded
+        nowhere: one overflow would otherwise turn the EMA, and every later backward, NaN.
+        """
+        scale, raw = self._loss_scale, gz  # an outlier step's backward uses its own, raw gz
         if int(self.grad_iter) == it:
             # Another backward in the same iteration: reuse this iteration's estimate.
-            return gz if mode == _OUTLIER else self.grad_est.to(gz)
+            return gz if mode == _OUTLIER else self._scaled(self.grad_est.to(gz))
+        if not bool(torch.isfinite(gz).all()):
+            return gz
+        if scale != 1.0:
+            gz = gz / scale
         m = self.window_size
         old_est = self.grad_est.clone()
         self.grad_window.copy_(torch.cat([self.grad_window[1:], gz.to(self.grad_window)[None]]))
@@ -308,7 +330,10 @@ class UN(FoldableNorm):
             fed = gz.to(self.grad_est)
         self.grad_est.mul_(self.momentum).add_((1.0 - self.momentum) * fed)
         # The EMA is used outside outlier steps, warm-up included; an outlier uses its own gz.
-        return gz if mode == _OUTLIER else self.grad_est.to(gz)
+        return raw if mode == _OUTLIER else self._scaled(self.grad_est.to(gz))
+
+    def _scaled(self, t: Tensor) -> Tensor:
+        return t * self._loss_scale if self._loss_scale != 1.0 else t
 
     # ------------------------------------------------------------------ forward
     def forward_train(self, x: Tensor) -> Tensor:
