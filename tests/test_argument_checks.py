@@ -1,5 +1,6 @@
 """Bad backbone arguments give errors that name the problem and the valid choices."""
 import pytest
+import torch
 
 from mmslab.models import ReparamPVT, ReparamSwinTransformer
 
@@ -14,9 +15,34 @@ def test_swin_frozen_stages_out_of_range(frozen):
         ReparamSwinTransformer(**SWIN, frozen_stages=frozen)
 
 
-@pytest.mark.parametrize('frozen', [-1, 0, 4])
+@pytest.mark.parametrize('frozen', [-1, 0, 2, 4])
 def test_swin_frozen_stages_valid_range_builds_and_trains(frozen):
-    ReparamSwinTransformer(**SWIN, frozen_stages=frozen).train()
+    """Every value in [-1, 4] builds; after ``train()`` exactly the patch embedding (0) and
+    stages 1..frozen with their output norms are frozen (no gradients, eval mode; 4: the
+    whole backbone), and a training step gives a gradient to every other parameter."""
+    model = ReparamSwinTransformer(**SWIN, frozen_stages=frozen).train()
+    frozen_prefixes = (['patch_embed.'] if frozen >= 0 else []) + [
+        p for i in range(frozen) for p in (f'stages.{i}.', f'norm{i}.')]
+    params = dict(model.named_parameters())
+    expect_frozen = {n for n in params if n.startswith(tuple(frozen_prefixes))}
+    assert {n for n, p in params.items() if not p.requires_grad} == expect_frozen
+    assert bool(expect_frozen) == (frozen >= 0)
+    assert (expect_frozen == set(params)) == (frozen == 4)  # 4: the whole backbone
+    for name, module in model.named_modules():
+        if name and (name + '.').startswith(tuple(frozen_prefixes)):
+            assert not module.training, name
+
+    outs = model(torch.randn(2, 3, 64, 64))
+    assert [o.shape[1] for o in outs] == [16, 32, 64, 128]
+    if frozen == 4:
+        assert not any(o.requires_grad for o in outs)
+        return
+    sum(o.square().mean() for o in outs).backward()
+    for name, p in params.items():
+        if name in expect_frozen:
+            assert p.grad is None, name
+        else:
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
 
 
 @pytest.mark.parametrize('frozen', [4, 9, -2])

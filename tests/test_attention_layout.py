@@ -7,6 +7,7 @@ is checked against the definition it replaces: the value a padded slot has after
 """
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -16,8 +17,6 @@ from mmslab.deploy import export_onnx
 from mmslab.models.layers.window_attention import (WindowMSA, attention_layout_report,
                                                    exported_attention_layout)
 from test_swin_backbones import build_preset
-
-ort = pytest.importorskip('onnxruntime')
 
 
 def run_onnx(path, x):
@@ -42,7 +41,7 @@ def fused_with_reference(name, sizes, seed=0):
     return mmslab.reparameterize(model), inputs, refs
 
 
-@pytest.mark.parametrize('dynamic', [False, True])
+@pytest.mark.parametrize('dynamic', [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_split_layout_matches_unfused_model_and_has_the_multi_head_pattern(dynamic, tmp_path):
     """PRepBN-Swin: its norm is folded into qkv, so padded slots need the solved token."""
     sizes = [(75, 106)] + ([(106, 75), (32, 32)] if dynamic else [])
@@ -81,6 +80,7 @@ def test_split_token_pad_is_the_value_padding_has_after_qkv():
         assert not torch.allclose(k.qkv(torch.zeros_like(token)), k.qkv_pad, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_kernel_without_a_padding_token_stays_packed_and_exact(tmp_path):
     """A folded norm with a zero scale maps no raw token to zero: that block keeps the packed
     form, the graph stays exact, and export.json's report counts it."""

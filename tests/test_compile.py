@@ -68,7 +68,10 @@ def graphs_per_call(model, sizes, **compile_kwargs):
 
 
 @pytest.mark.parametrize('name, fused', [
-    ('RePaSwin', True), ('SLABSwin', True), ('LN', True), ('PRepBNSwin', False),
+    pytest.param('RePaSwin', True, marks=pytest.mark.slow),
+    pytest.param('SLABSwin', True, marks=pytest.mark.slow),
+    pytest.param('LN', True, marks=pytest.mark.slow),
+    pytest.param('PRepBNSwin', False, marks=pytest.mark.slow),
     ('PRepBNPVT', True)])
 def test_one_graph_serves_every_input_size(name, fused):
     # Before: a fused Swin broke the graph ~20 times (patch merging's cached weight copies)
@@ -79,10 +82,12 @@ def test_one_graph_serves_every_input_size(name, fused):
     assert graphs_per_call(build(name, fused), sizes) == [1, 2, 2, 2]
 
 
+@pytest.mark.slow
 def test_dynamic_compile_is_one_graph_from_the_start():
     assert graphs_per_call(build('RePaSwin', True), SIZES, dynamic=True) == [1, 1, 1, 1]
 
 
+@pytest.mark.slow
 def test_training_graph_survives_the_prepbn_decay():
     """g moves every iteration: it is a tensor in the graph, so only the branch changes
     (LayerNorm warm-up -> blend -> RepBN) compile a new graph; loss and gradients equal
@@ -196,6 +201,7 @@ def train(cfg):
     return runner, record
 
 
+@pytest.mark.slow
 def test_mmengine_training_with_compile_true(ade_data, tmp_path):
     runner, compiled = train(seg_train_cfg(ade_data, tmp_path / 'compiled', True))
     # mmengine swapped the model's train_step for the compiled one

@@ -445,6 +445,7 @@ def test_data_root_check(tmp_path, monkeypatch):
         check_data_root(load(osp.join(CONFIG_DIR, 'mask_rcnn_swin_t_1x.py')), 'train')
 
 
+@pytest.mark.slow  # tools/train.py in a subprocess
 def test_train_tool_reports_missing_data(tmp_path):
     # A regression (train.py no longer checking the data first) fails here: mmdet's dataset
     # would then raise with a traceback and no pointer to make_demo_data.py.

@@ -265,6 +265,7 @@ def test_a_pickled_object_is_ignored_not_executed(tmp_path, capsys):
     assert 'unpickled!' not in capsys.readouterr().out
 
 
+@pytest.mark.slow  # tools/convert_checkpoint.py in a subprocess
 def test_convert_tool_end_to_end(tmp_path):
     src = slab_swin()
     authors = to_authors_swin(src.state_dict(), schedule=(0, 60000, 0))

@@ -6,7 +6,8 @@ Tiny models as in test_distributed.py: a PRepBN Swin (embed_dims 16, depths 1-1-
 4) in Mask R-CNN (96 px COCO demo) and in UperNet (64 px ADE20K demo), trained for 2
 iterations with tools/train.py so the checkpoints have a trained, fusable structure; real
 photographs (matplotlib's sample photograph, its crops and transposes) for sizes and
-orientations the square demo images do not have.
+orientations the square demo images do not have. What trains, exports or runs a tool is
+marked ``slow`` (``bash tools/run_tests.sh --fast`` leaves it out).
 """
 import copy
 import json
@@ -49,8 +50,8 @@ def assert_parity(report: dict, runtimes=('onnxruntime', 'openvino'), min_images
 # ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope='module')
-def tiny(demo_data, tmp_path_factory):
-    """{task: dict(root, config, checkpoint)}, trained lazily with tools/train.py."""
+def tiny_config(demo_data, tmp_path_factory):
+    """{task: dict(root, config, cfg, work_dir)}: the configs, written lazily (no training)."""
     cache = {}
 
     def get(task):
@@ -61,10 +62,26 @@ def tiny(demo_data, tmp_path_factory):
             if task == 'det':  # detections to compare, from a 2-iteration model
                 cfg['model']['test_cfg']['rcnn']['score_thr'] = 0.0
             config = write_config(root / f'tiny_swin_{task}.py', cfg)
-            run_tool([sys.executable, osp.join(TOOLS, 'train.py'), config], cwd=root, env=ENV)
-            ckpt = work_dir / 'iter_2.pth'
+            cache[task] = dict(root=root, config=config, cfg=cfg, work_dir=work_dir)
+        return cache[task]
+
+    return get
+
+
+@pytest.fixture(scope='module')
+def tiny(tiny_config):
+    """{task: dict(root, config, checkpoint)}, trained lazily with tools/train.py."""
+    cache = {}
+
+    def get(task):
+        if task not in cache:
+            run = tiny_config(task)
+            run_tool([sys.executable, osp.join(TOOLS, 'train.py'), run['config']],
+                     cwd=run['root'], env=ENV)
+            ckpt = run['work_dir'] / 'iter_2.pth'
             assert ckpt.is_file()
-            cache[task] = dict(root=root, config=config, checkpoint=str(ckpt), cfg=cfg)
+            cache[task] = dict(root=run['root'], config=run['config'], checkpoint=str(ckpt),
+                               cfg=run['cfg'])
         return cache[task]
 
     return get
@@ -92,6 +109,7 @@ def exported(tiny):
 # export
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize('task', ['det', 'seg'])
 def test_whole_model_export_report_and_parity(exported, task):
     from mmslab.deploy.export_info import file_sha256
@@ -119,6 +137,7 @@ def test_whole_model_export_report_and_parity(exported, task):
         assert sum(r['num_ref'] for r in records) >= 20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('task', ['det', 'seg'])
 def test_int8_graphs_are_quantized_and_deviation_is_measured(exported, task):
     import onnx
@@ -137,14 +156,15 @@ def test_int8_graphs_are_quantized_and_deviation_is_measured(exported, task):
     assert ex['report']['int8']['calibration_set'] == 'train'
 
 
-def test_export_refuses_random_weights_without_the_flag(tiny, tmp_path, capsys):
-    det = tiny('det')
+def test_export_refuses_random_weights_without_the_flag(tiny_config, tmp_path, capsys):
+    det = tiny_config('det')
     tool = load_tool('export_onnx')
     with pytest.raises(SystemExit):
         tool.parse_args([det['config'], '--out', str(tmp_path / 'a')])
     assert '--random-weights' in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_export_mmdet_swin_mask_rcnn_whole(demo_data, tmp_path):
     """mmdet's own SwinTransformer (LayerNorm) in Mask R-CNN, through the same exporter:
     the whole detector, free H, W, parity in both runtimes."""
@@ -202,6 +222,7 @@ def assert_same_detections(ref_pkl, got_pkl, min_matched=1.0, min_total=10):
     assert total >= min_total  # something was compared
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('task', ['det', 'seg'])
 def test_runtime_backend_metrics_match_pytorch(exported, tmp_path, task):
     ex = exported(task)
@@ -226,6 +247,7 @@ def test_runtime_backend_metrics_match_pytorch(exported, tmp_path, task):
             assert a.shape == b.shape and (a != b).mean() < 0.001, name
 
 
+@pytest.mark.slow
 def test_runtime_backend_int8_detector_is_bounded(exported, tmp_path):
     """The INT8 detector in OpenVINO through tools/test.py: mAP within 0.02 of fp32, and its
     detections match the fp32 ones (IoU-matched, same labels)."""
@@ -250,6 +272,7 @@ def test_runtime_backend_int8_detector_is_bounded(exported, tmp_path):
     assert np.mean(matched) >= 0.7, matched
 
 
+@pytest.mark.slow
 def test_real_photographs_match_pytorch(tiny, tmp_path):
     """Portrait, landscape and panorama photographs (not the square demo images) through the
     deployed detector: the same detections as the fused PyTorch model.
@@ -285,6 +308,7 @@ def test_real_photographs_match_pytorch(tiny, tmp_path):
     assert_same_detections(ref_out, got_out, min_matched=0.9)
 
 
+@pytest.mark.slow
 def test_static_export_pads_and_refuses_larger_inputs(exported, tmp_path):
     """A static whole-detector export at 128x128: 96x96 inputs are zero-padded to it (the
     detections stay in the input's pixels), a larger input is an error."""
@@ -325,6 +349,7 @@ def test_static_export_pads_and_refuses_larger_inputs(exported, tmp_path):
 # errors and trust
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_backend_refuses_other_checkpoints_and_random_exports(exported, tmp_path, capsys):
     from mmengine.config import Config
     det, seg = exported('det'), exported('seg')
@@ -376,8 +401,8 @@ def test_backend_refuses_other_checkpoints_and_random_exports(exported, tmp_path
                                threads=0)
 
 
-def test_export_errors(tiny, tmp_path, capsys):
-    det = tiny('det')
+def test_export_errors(tiny_config, tmp_path, capsys):
+    det = tiny_config('det')
     tool = load_tool('export_onnx')
     msg = exit_message(capsys, tool.parse_args, [det['config'], '--random-weights', '--out',
                                                  str(tmp_path / 'c'), '--shape', '100', '96'])
@@ -390,6 +415,7 @@ def test_export_errors(tiny, tmp_path, capsys):
     assert 'not found' in msg
 
 
+@pytest.mark.slow
 def test_retinanet_whole_model_through_the_tools(demo_data, tmp_path):
     """RetinaNet (a tiny PRepBN Swin, random weights) exported whole with the defaults and
     evaluated through tools/test.py in onnxruntime: PyTorch's detections."""
@@ -434,6 +460,7 @@ def test_retinanet_whole_model_through_the_tools(demo_data, tmp_path):
     assert_same_detections(ref_out, got_out)
 
 
+@pytest.mark.slow
 def test_openvino_bf16_where_the_cpu_has_it(exported, monkeypatch):
     """bf16 runs the fp32 export in OpenVINO on CPUs with bf16 units (close to fp32) and is
     refused with a clear error elsewhere, and for onnxruntime / INT8."""
@@ -459,6 +486,7 @@ def test_openvino_bf16_where_the_cpu_has_it(exported, monkeypatch):
         load_runtime_model(ex['export_dir'], 'openvino', bf16=True)
 
 
+@pytest.mark.slow
 def test_backbone_export_and_hook_pads_crops_refuses_larger_inputs(exported, tmp_path):
     """Part 'backbone' of the trained detector exported static at 128x128: a 96x96 batch is
     zero-padded per image, the outputs are cropped to the shapes the PyTorch model gives at

@@ -54,6 +54,7 @@ def accepted_flags(script):
     return frozenset(FLAG.findall(proc.stdout))
 
 
+@pytest.mark.slow  # every script's --help in a subprocess (each imports torch and mmslab)
 @pytest.mark.parametrize('doc', DOCS)
 def test_documented_commands_exist(doc):
     problems = []

@@ -8,6 +8,7 @@ windows, odd patch merges, maps smaller than a window (SLA's cropped window) and
 ADE20K-like aspect ratio.
 """
 import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -18,8 +19,6 @@ from mmslab.deploy.mmdet_swin import dynamic_mmdet_swin
 from mmslab.models.layers import symbolic_shapes
 from test_pvt_backbones import TINY as PVT_TINY
 from test_swin_backbones import PRESETS, build_preset
-
-ort = pytest.importorskip('onnxruntime')
 
 TRACE = (75, 106)
 SIZES = [(75, 106), (106, 75), (33, 130), (32, 32), (64, 256)]
@@ -41,9 +40,17 @@ def build_pvt(type_):
     return MODELS.build(dict(type=type_, **PVT_TINY, norm_cfg=dict(type='PRepBN', step=4)))
 
 
-@pytest.mark.parametrize('name,attention', [(n, 'split') for n in PRESETS] + [
-    ('PRepBNSwin', 'packed'), ('RePaSwin', 'packed'), ('SLABSwin', 'packed'),
-    ('PRepBNPVT', 'split'), ('SLABPVT', 'split')])
+def slow_unless(fast, *cases):
+    """The cases as parameters, each not in ``fast`` marked slow (the fast lane keeps one
+    Swin per layout and a PVT)."""
+    return [case if case in fast else pytest.param(*case, marks=pytest.mark.slow)
+            for case in cases]
+
+
+@pytest.mark.parametrize('name,attention', slow_unless(
+    [('RePaSwin', 'split'), ('PRepBNSwin', 'packed'), ('PRepBNPVT', 'split')],
+    *[(n, 'split') for n in PRESETS], ('PRepBNSwin', 'packed'), ('RePaSwin', 'packed'),
+    ('SLABSwin', 'packed'), ('PRepBNPVT', 'split'), ('SLABPVT', 'split')))
 def test_dynamic_backbone_graph_matches_unfused_model_at_every_size(name, attention,
                                                                     tmp_path):
     torch.manual_seed(0)
@@ -60,6 +67,7 @@ def test_dynamic_backbone_graph_matches_unfused_model_at_every_size(name, attent
         assert_close(ref, run_onnx(path, x))
 
 
+@pytest.mark.slow  # the fast lane's dynamic exports trace this path
 @pytest.mark.parametrize('name', ['SLABSwin', 'BiNormSwin', 'PRepBNSwin'])
 def test_symbolic_eager_path_matches_unfused_model(name):
     """The shape-generic path in eager mode (what tracing records) at every size, including
@@ -81,7 +89,7 @@ def mmdet_swin():
                            window_size=4, out_indices=(0, 1, 2, 3))
 
 
-@pytest.mark.parametrize('attention', ['split', 'packed'])
+@pytest.mark.parametrize('attention', ['split', pytest.param('packed', marks=pytest.mark.slow)])
 def test_mmdet_swin_dynamic_forward_equals_mmdet(attention, tmp_path):
     """mmdet's own Swin: the shape-generic forwards give mmdet's numbers in eager mode, and
     the dynamic graph gives them at every size."""
@@ -99,6 +107,7 @@ def test_mmdet_swin_dynamic_forward_equals_mmdet(attention, tmp_path):
         assert_close(ref, run_onnx(path, x))
 
 
+@pytest.mark.slow
 def test_dynamic_upernet_logits_and_argmax(tmp_path):
     """A whole segmentor (pyramid pooling bins computed from the runtime size) at square and
     wide inputs; the argmax variant gives PyTorch's label map at the input size."""

@@ -12,6 +12,8 @@ import copy
 import warnings
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,9 +27,6 @@ from mmengine.registry import init_default_scope
 from conftest import randomize_weights
 from mmslab.deploy.end2end import (DetectorEnd2End, check_supported, end2end_output_names,
                                    grid_anchors)
-
-ort = pytest.importorskip('onnxruntime')
-onnx = pytest.importorskip('onnx')
 
 NUM_CLASSES = 4
 EXPORT_SIZE = (128, 128)
@@ -136,7 +135,9 @@ def build(name: str, calibrated: bool = True):
     return model
 
 
-@pytest.fixture(scope='module', params=['mask_rcnn', 'retinanet'])
+# Mask R-CNN (masks: the longer export and runs) is not in the fast lane; RetinaNet is
+@pytest.fixture(scope='module', params=[pytest.param('mask_rcnn', marks=pytest.mark.slow),
+                                        'retinanet'])
 def detector(request):
     return build(request.param)
 

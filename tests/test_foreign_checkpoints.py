@@ -203,6 +203,7 @@ def test_repavit_file_with_argparse_namespace(tmp_path, log):
     assert_same_outputs(outputs(dst.eval(), x), outputs(src, x))
 
 
+@pytest.mark.slow  # tools/convert_checkpoint.py in subprocesses
 def test_convert_tool_in_a_fresh_process(tmp_path, authors_module):
     """A fresh process cannot even import the module that defined the CfgNode."""
     src = slab_swin()

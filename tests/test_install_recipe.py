@@ -9,6 +9,8 @@ import os.path as osp
 import subprocess
 import sys
 
+import pytest
+
 REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
 
@@ -18,6 +20,7 @@ def run(args, **kwargs):
     return proc.returncode, proc.stdout
 
 
+@pytest.mark.slow  # unpacks and configures mmcv's source
 def test_mmcv_recipe_prepares_and_configures_the_ops_in_this_environment(tmp_path):
     code, out = run(['bash', osp.join(REPO_ROOT, 'tools', 'mmcv_recipe.sh'), 'check',
                      sys.executable, str(tmp_path)], timeout=600)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import load_tool
-from test_deploy import _test, exported, load_predictions, tiny  # noqa: F401
+from test_deploy import _test, exported, load_predictions, tiny, tiny_config  # noqa: F401
 from test_tools_e2e import demo_data, det_config, seg_config, write_config  # noqa: F401
 from tool_runs import exit_message
 
@@ -247,6 +247,7 @@ def _run(run, tmp_path, name, *extra):
 
 
 @needs_bf16
+@pytest.mark.slow  # trains, then tools/test.py twice
 @pytest.mark.parametrize('task', ['det', 'seg'])
 def test_eager_bf16_metrics_close_to_fp32(tiny, tmp_path, task):
     """bf16 through tools/test.py: the same detections (label maps) as fp32 up to bf16
@@ -296,6 +297,7 @@ def test_eager_bf16_metrics_close_to_fp32(tiny, tmp_path, task):
         assert max(changed) < 0.05 and sum(changed) > 0, changed
 
 
+@pytest.mark.slow  # trains, then tools/test.py
 def test_auto_writes_its_measured_choice(tiny, tmp_path):
     run = tiny('det')
     metrics, output, _, latency = _run(run, tmp_path, 'auto', '--precision', 'auto')
@@ -315,6 +317,7 @@ def test_auto_writes_its_measured_choice(tiny, tmp_path):
     assert ('evaluated in bf16' in output) is (record['choice'] == 'bf16')
 
 
+@pytest.mark.slow  # trains, exports, then tools/test.py --backend
 def test_runtime_auto_and_bf16(exported, tmp_path):
     """OpenVINO ``--precision auto``: fp32 against bf16 (CPUs with bf16 units) on the first
     test image, the choice in metrics.json; onnxruntime auto: fp32 without timing;

@@ -21,13 +21,13 @@ import sys
 
 import cv2
 import numpy as np
+import onnx
+import onnxruntime  # noqa: F401 (a requirement of the suite: a broken install fails here)
+import openvino as ov
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from conftest import REPO
-
-onnx = pytest.importorskip('onnx')
-pytest.importorskip('onnxruntime')
-from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 BLOCKED = ('torch', 'mmcv', 'mmdet', 'mmengine', 'mmseg')
 CLASSES = ['person', 'bicycle', 'car']
@@ -105,15 +105,13 @@ def make_graph(outputs: dict, input_shape, argmax: bool = False) -> onnx.ModelPr
 
 
 def write_export(out_dir: str, model: onnx.ModelProto, spec: dict) -> str:
-    """``model.onnx``, ``openvino/model.xml`` (when OpenVINO is installed), ``export.json``."""
+    """``model.onnx``, ``openvino/model.xml``, ``export.json``."""
     os.makedirs(out_dir, exist_ok=True)
     onnx_path = osp.join(out_dir, 'model.onnx')
     onnx.save(model, onnx_path)
-    if _has('openvino'):
-        import openvino as ov
-        os.makedirs(osp.join(out_dir, 'openvino'), exist_ok=True)
-        ov.save_model(ov.convert_model(onnx_path), osp.join(out_dir, 'openvino', 'model.xml'),
-                      compress_to_fp16=False)
+    os.makedirs(osp.join(out_dir, 'openvino'), exist_ok=True)
+    ov.save_model(ov.convert_model(onnx_path), osp.join(out_dir, 'openvino', 'model.xml'),
+                  compress_to_fp16=False)
     with open(osp.join(out_dir, 'export.json'), 'w') as f:
         json.dump(spec, f, indent=2)
     return out_dir
@@ -197,8 +195,7 @@ def expected_scale(w: int, h: int, scale=DET_SCALE):
     return new_w / w, new_h / h
 
 
-RUNTIME_PARAMS = ['onnxruntime', pytest.param('openvino', marks=pytest.mark.skipif(
-    not _has('openvino'), reason='OpenVINO is not installed'))]
+RUNTIME_PARAMS = ['onnxruntime', 'openvino']
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,7 +340,6 @@ def test_bad_export_json(data, tmp_path, change, message):
     assert 'Traceback' not in proc.stderr
 
 
-@pytest.mark.skipif(not _has('openvino'), reason='OpenVINO is not installed')
 def test_precision_bf16(data, tmp_path):
     """``--precision bf16``: OpenVINO's bf16 hint on CPUs with bf16 units (the CPU check does
     not import torch), a clear refusal elsewhere and for onnxruntime; bad choices named."""
