@@ -539,6 +539,99 @@ def test_backbone_export_and_hook_pads_crops_refuses_larger_inputs(exported, tmp
         torch.testing.assert_close(model.extract_feat(x), ref)
 
 
+def test_runtime_backend_hook_restores_the_model_on_every_exit(tmp_path):
+    """The hook's swap of the model's methods is undone however the test ends: under
+    ``runner.test()`` an exception in the second test step propagates and the model's own
+    ``extract_feat`` is back (after the first step ran the runtime); the context manager
+    restores an instance attribute that was there before, also on an exception. A fake
+    runtime model and a hand-written ``export.json`` (part 'features'): no export needed."""
+    from types import SimpleNamespace
+
+    from mmengine.evaluator import BaseMetric
+    from mmengine.logging import MMLogger
+    from mmengine.model import BaseModel
+    from mmengine.runner import Runner
+
+    from mmslab.engine.hooks import RuntimeBackendHook
+
+    export_dir = tmp_path / 'export'
+    export_dir.mkdir()
+    (export_dir / 'export.json').write_text(json.dumps(
+        dict(part='features', shape=[8, 8], dynamic=True, outputs=['p0'])))
+
+    class Tiny(BaseModel):
+
+        def __init__(self, fail_at=2):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 1)
+            self.steps, self.fail_at = 0, fail_at
+
+        def extract_feat(self, x):
+            return (self.conv(x), )
+
+        def forward(self, inputs, data_samples=None, mode='tensor'):
+            self.steps += 1
+            if self.steps == self.fail_at:
+                raise ValueError('the second test step fails')
+            return [dict(feat=f) for f in self.extract_feat(torch.stack(inputs))[0]]
+
+    class Count(BaseMetric):
+
+        def process(self, data_batch, data_samples):
+            self.results.append(len(data_samples))
+
+        def compute_metrics(self, results):
+            return dict(images=sum(results))
+
+    calls = []
+
+    class FakeRuntime:
+        path = str(export_dir / 'model.onnx')
+
+        def __call__(self, image):
+            calls.append(image.shape)
+            return [np.zeros((1, 4, *image.shape[-2:]), np.float32)]
+
+    def hook_with_fake_runtime():
+        hook = RuntimeBackendHook(str(export_dir), 'onnxruntime')
+        hook._runtime_model = FakeRuntime()
+        return hook
+
+    def make_runner(model, hooks, name):
+        return Runner(
+            model=model, work_dir=str(tmp_path / name), default_scope=None,
+            test_dataloader=dict(dataset=[dict(inputs=torch.rand(3, 8, 8)) for _ in range(3)],
+                                 sampler=dict(type='DefaultSampler', shuffle=False),
+                                 batch_size=1, num_workers=0,
+                                 collate_fn=dict(type='pseudo_collate')),
+            test_cfg=dict(type='TestLoop'), test_evaluator=[Count()], custom_hooks=hooks,
+            env_cfg=dict(dist_cfg=dict(backend='gloo')), log_level='INFO',
+            experiment_name=name)
+
+    # an exception in the second step
+    model = Tiny()
+    hook = hook_with_fake_runtime()
+    runner = make_runner(model, [hook], 'failing')
+    with pytest.raises(ValueError, match='second test step'):
+        runner.test()
+    assert model.steps == 2 and calls == [(1, 3, 8, 8)]  # step 1 ran in the "runtime"
+    assert 'extract_feat' not in vars(model)  # restored: the class's method again
+    assert hook._patched is None and 'run' not in vars(runner.test_loop)  # the guard left
+    x = torch.rand(1, 3, 8, 8)
+    torch.testing.assert_close(model.extract_feat(x)[0], model.conv(x))
+
+    # the context manager, with an instance attribute to restore
+    own = model.extract_feat = lambda x: ('own', )
+    plain = SimpleNamespace(model=model, logger=MMLogger.get_current_instance())
+    hook = hook_with_fake_runtime()
+    with pytest.raises(KeyError):
+        with hook.runs_in_runtime(plain) as patched:
+            assert patched is model and model.extract_feat is not own
+            assert model.extract_feat(x)[0].shape == (1, 4, 8, 8)
+            raise KeyError('inside the block')
+    assert vars(model)['extract_feat'] is own and hook._patched is None
+
+
 def test_crop_size():
     from mmslab.engine.hooks.runtime_backend_hook import _crop_size
     # FPN levels of an 800-row export (strides 4..64), cropped for a 768-row input

@@ -141,3 +141,53 @@ def test_dynamic_upernet_logits_and_argmax(tmp_path):
         label = run_onnx(labels, x)[0]
         assert label.shape == (1, *x.shape[-2:])
         assert (label == full.argmax(1).numpy()).mean() >= 0.999
+
+
+def test_class_patches_restore_own_and_inherited_methods():
+    """The class patches of the mmdet / mmseg export forwards: inside the block every target
+    runs the replacement; after it (normally or by an exception) a class that had its own
+    method has it back and one that inherited it (no ``forward`` in its ``__dict__``, where a
+    lookup of ``cls.__dict__[name]`` fails) inherits it again, with nothing left behind."""
+    from mmdet.models.backbones.swin import ShiftWindowMSA
+
+    from mmslab.deploy.mmdet_swin import _patched, _shift_window_msa_forward
+
+    class Base(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    class Inherits(Base):
+        pass
+
+    class Own(Base):
+        def forward(self, x):
+            return x + 2
+
+    class MySwinMSA(ShiftWindowMSA):  # mmdet's forward, inherited
+        pass
+
+    def times_ten(self, x):
+        return x * 10
+
+    own_forward = Own.forward
+    targets = [(Inherits, 'forward', times_ten), (Own, 'forward', times_ten),
+               (MySwinMSA, 'forward', _shift_window_msa_forward)]
+    one = torch.ones(1)
+
+    def assert_restored():
+        assert 'forward' not in vars(Inherits) and Inherits.forward is Base.forward
+        assert 'forward' not in vars(MySwinMSA)
+        assert MySwinMSA.forward is ShiftWindowMSA.forward
+        assert Own.forward is own_forward and Base.forward(None, one) == 2
+        assert Inherits()(one) == 2 and Own()(one) == 3
+
+    with _patched(targets):
+        assert Inherits()(one) == 10 and Own()(one) == 10 and Base()(one) == 2
+        assert MySwinMSA.forward is _shift_window_msa_forward
+        assert ShiftWindowMSA.forward is not _shift_window_msa_forward  # only the subclass
+    assert_restored()
+    with pytest.raises(ZeroDivisionError):
+        with _patched(targets):
+            assert Inherits()(one) == 10
+            1 / 0
+    assert_restored()

@@ -127,16 +127,25 @@ def split_mmdet_window_attention() -> Iterator[None]:
         yield
 
 
+_INHERITED = object()  # saved in place of a method the class inherits: restore by deleting
+
+
 @contextmanager
 def _patched(targets) -> Iterator[None]:
+    """Set each ``(class, name, function)`` for the block; on leaving it, however that
+    happens, every class is as it was: its own method put back, or, where it inherited the
+    method, the class attribute deleted so that it inherits again."""
     saved = []
     try:
         for cls, name, fn in targets:
             if any(cls is c and name == n for c, n, _ in saved):
                 continue  # one class reachable from two packages
-            saved.append((cls, name, cls.__dict__[name]))
+            saved.append((cls, name, vars(cls).get(name, _INHERITED)))
             setattr(cls, name, fn)
         yield
     finally:
-        for cls, name, fn in reversed(saved):
-            setattr(cls, name, fn)
+        for cls, name, original in reversed(saved):
+            if original is _INHERITED:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)

@@ -4,8 +4,9 @@
         [--runtime onnxruntime|openvino] [--precision fp32|bf16|int8] [--score-thr 0.3]
         [--threads N]
 
-Only numpy, OpenCV and the runtime are imported (no torch, mmcv, mmengine, mmdet, mmseg):
-``mmslab/__init__.py`` skips its registrations for this entry point. Pre-processing repeats
+Only numpy, OpenCV and the runtime are needed (no torch, mmcv, mmengine, mmdet, mmseg): where
+those are not installed, ``import mmslab`` registers nothing with OpenMMLab (see
+``mmslab/__init__.py``) and this module imports none of them. Pre-processing repeats
 the test pipeline of the OpenMMLab model (``LoadImageFromFile`` with cv2, ``Resize``, the
 data preprocessor's channel order, normalization and padding) and post-processing repeats
 mmdet's / mmseg's rescaling to the original image.

@@ -15,15 +15,22 @@ exported part with one that runs the runtime image by image:
 
 Static exports get each preprocessed image zero-padded at the bottom/right to the exported
 size; dynamic exports take it as it is.
+
+The methods are restored however the test ends: after the epoch, and, under
+``runner.test()``, in a ``finally`` around the test loop (an exception in a step, in the
+evaluator or in another hook included). :meth:`RuntimeBackendHook.runs_in_runtime` is the
+same swap as a context manager, for code that drives a model without a runner.
 """
 import math
-from typing import List, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.nn as nn
 from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
+from mmengine.runner import BaseLoop
 
 from mmslab.deploy.export_info import read_export_info
 from mmslab.registry import register_hook
@@ -298,14 +305,15 @@ class RuntimeBackendHook(Hook):
         return predict
 
     def _enter(self, runner) -> None:
+        self._exit(runner)  # a swap left by an epoch that never ended (not under a runner)
         model = _unwrap(runner.model)
         if self.requested == 'auto' and self.auto_record is None:
             self._choose_precision(runner, model)
         replacements = self._replacements(model)
         saved = {name: vars(model)[name] for name in replacements if name in vars(model)}
+        self._patched = (model, replacements, saved)  # before the first setattr: _exit undoes
         for name, fn in replacements.items():
             setattr(model, name, fn)
-        self._patched = (model, replacements, saved)
         shape = 'dynamic' if self.info.get('dynamic') else 'x'.join(map(str, self.info['shape']))
         runner.logger.info(
             f"RuntimeBackendHook: part '{self.part}' runs in {self.runtime} "
@@ -313,20 +321,49 @@ class RuntimeBackendHook(Hook):
             f"{self._runtime_model.path}, input {shape}); "
             f'the rest of {type(model).__name__} in PyTorch')
 
-    def _exit(self, runner) -> None:
+    def _exit(self, runner=None) -> None:
+        """Restore the patched methods (idempotent; ``runner`` is not needed)."""
         if self._patched is None:
             return
         model, replacements, saved = self._patched
+        self._patched = None
         for name in replacements:
             if name in saved:
                 setattr(model, name, saved[name])
             elif name in vars(model):
                 delattr(model, name)
-        self._patched = None
+
+    @contextmanager
+    def runs_in_runtime(self, runner) -> Iterator[nn.Module]:
+        """The swap as a context manager: inside the block the model that ``runner.model``
+        unwraps to runs the exported part in the runtime; on leaving it, however that
+        happens, its own methods are back. ``runner`` needs ``model`` and ``logger``."""
+        self._enter(runner)
+        try:
+            yield self._patched[0]
+        finally:
+            self._exit(runner)
 
     # -- mmengine hook points ---------------------------------------------------------------
     # Test only: during training, validation must see the weights being trained, not an
     # artifact exported earlier.
+    def before_run(self, runner) -> None:
+        """Under ``runner.test()`` (the test loop is built before ``before_run``): run the test
+        loop inside ``try/finally`` so that the model's methods are restored on every exit
+        path. The guard is an attribute of that loop instance and removes itself."""
+        loop = getattr(runner, '_test_loop', None)
+        if not isinstance(loop, BaseLoop) or 'run' in vars(loop):
+            return
+
+        def run():
+            try:
+                return type(loop).run(loop)
+            finally:
+                del loop.run
+                self._exit(runner)
+
+        loop.run = run
+
     def before_test_epoch(self, runner) -> None:
         self._enter(runner)
 
