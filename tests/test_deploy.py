@@ -135,6 +135,8 @@ def test_whole_model_export_report_and_parity(exported, task):
     if task == 'det':  # the comparison had detections to compare
         records = report['runtimes']['onnxruntime']['fp32'].values()
         assert sum(r['num_ref'] for r in records) >= 20
+    # the exporter's expected warnings and the calibration's overflow are not shown
+    assert 'Warning' not in ex['output'], ex['output'][-3000:]
 
 
 @pytest.mark.slow
@@ -543,8 +545,10 @@ def test_runtime_backend_hook_restores_the_model_on_every_exit(tmp_path):
     """The hook's swap of the model's methods is undone however the test ends: under
     ``runner.test()`` an exception in the second test step propagates and the model's own
     ``extract_feat`` is back (after the first step ran the runtime); the context manager
-    restores an instance attribute that was there before, also on an exception. A fake
-    runtime model and a hand-written ``export.json`` (part 'features'): no export needed."""
+    restores an instance attribute that was there before, also on an exception. A test that
+    completes with ``ReparamEvalHook`` timing it: its log and ``latency.json`` name the
+    deployed form, not "fused". A fake runtime model and a hand-written ``export.json`` (part
+    'features'): no export needed."""
     from types import SimpleNamespace
 
     from mmengine.evaluator import BaseMetric
@@ -608,6 +612,20 @@ def test_runtime_backend_hook_restores_the_model_on_every_exit(tmp_path):
             env_cfg=dict(dist_cfg=dict(backend='gloo')), log_level='INFO',
             experiment_name=name)
 
+    # a complete test, timed by ReparamEvalHook
+    from mmslab.engine.hooks import ReparamEvalHook
+    model = Tiny(fail_at=None)
+    timing = ReparamEvalHook(reparam=False, warmup=0)
+    runner = make_runner(model, [timing, hook_with_fake_runtime()], 'complete')
+    runner.test()
+    form = 'deployed: onnxruntime fp32 backbone + neck (the rest in PyTorch)'
+    assert timing.last_result['timed'] == form and timing.last_result['fused']['count'] == 3
+    assert json.loads((tmp_path / 'complete' / 'latency.json').read_text())['timed'] == form
+    log = next((tmp_path / 'complete').glob('*/*.log')).read_text()
+    assert f'test latency per image ({form}): median' in log, log[-2000:]
+    assert calls == [(1, 3, 8, 8)] * 3 and 'extract_feat' not in vars(model)
+    calls.clear()
+
     # an exception in the second step
     model = Tiny()
     hook = hook_with_fake_runtime()
@@ -630,6 +648,24 @@ def test_runtime_backend_hook_restores_the_model_on_every_exit(tmp_path):
             assert model.extract_feat(x)[0].shape == (1, 4, 8, 8)
             raise KeyError('inside the block')
     assert vars(model)['extract_feat'] is own and hook._patched is None
+
+
+def test_quantizer_ranges_must_be_finite():
+    """``quantize_openvino`` hides NNCF's overflow warning (an empty tensor's statistics) and
+    checks instead that every FakeQuantize range it produced is finite."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from mmslab.deploy.runtimes import check_quantizer_ranges
+
+    def model(high):
+        x = ops.parameter([1, 4], np.float32)
+        low, high = ops.constant(np.float32(-1.0)), ops.constant(np.float32(high))
+        return ov.Model([ops.fake_quantize(x, low, high, low, high, 256)], [x])
+
+    assert check_quantizer_ranges(model(1.0)) == 1
+    with pytest.raises(RuntimeError, match='not finite'):
+        check_quantizer_ranges(model(np.inf))
 
 
 def test_crop_size():

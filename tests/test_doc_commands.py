@@ -73,3 +73,20 @@ def test_commands_are_found_with_their_flags():
             '    --out x  # --comment\nbash tools/dist_train.sh C 2 --amp && ls --all\n```\n')
     assert list(commands(text)) == [('tools/test.py', ['--latency', '--out']),
                                     ('tools/dist_train.sh', ['--amp'])]
+
+
+def test_readme_config_snippet_is_the_real_config():
+    """The README's "Use in a config" snippet: its backbone is that of
+    configs/mask_rcnn_slab_swin_t_1x.py, every key (out_norm_cfg included), and it names the
+    same custom_imports and hooks."""
+    from mmengine.config import Config
+    text = open(osp.join(REPO, 'README.md')).read()
+    block = re.search(r'^## Use in a config\n.*?^```python\n(.*?)^```', text, re.S | re.M)
+    assert block, 'README.md has no "Use in a config" python block'
+    snippet = {}
+    exec(block.group(1), {}, snippet)  # dict(...) literals only
+    cfg = Config.fromfile(osp.join(REPO, 'configs', 'mask_rcnn_slab_swin_t_1x.py'))
+    assert snippet['model']['backbone'] == cfg.model.backbone.to_dict()
+    assert snippet['custom_imports'] == cfg.custom_imports.to_dict()
+    assert sorted(h['type'] for h in snippet['custom_hooks']) == \
+        sorted(h['type'] for h in cfg.custom_hooks)

@@ -75,3 +75,33 @@ def test_adaptive_pooling_exports_for_any_bins(size, out, tmp_path):
     y = ort.InferenceSession(path, providers=['CPUExecutionProvider']).run(None, {'x': x.numpy()})
     assert y[0].shape == ref.shape
     assert np.abs(y[0] - ref).max() <= 1e-5
+
+
+def test_expected_export_warnings_are_hidden_and_only_those():
+    """``export_onnx`` hides the warnings tracing always gives (constants by design, the
+    exporter's notes), matched by category, message and module: the same message from other
+    code is still shown (a size that became a constant of the graph would be)."""
+    import warnings
+
+    from mmslab.deploy.onnx_export import EXPECTED_EXPORT_WARNINGS, expected_export_warnings
+
+    def shown(category, message, module):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            with expected_export_warnings():
+                warnings.warn_explicit(message + ' (...)', category, 'x.py', 1, module=module)
+        return len(caught)
+
+    tracer = torch.jit.TracerWarning
+    categories = dict(TracerWarning=tracer, UserWarning=UserWarning)
+    modules = {r'mmslab\.models\.layers\.window_attention': 'mmslab.models.layers.window_attention',
+               r'mmslab\.(models\.layers\.shift_window|deploy\.mmdet_swin)':
+               'mmslab.deploy.mmdet_swin', r'mmslab\.models\.layers\.patch':
+               'mmslab.models.layers.patch', r'torch$': 'torch',
+               r'torch\.onnx\.': 'torch.onnx._internal.torchscript_exporter.utils'}
+    for category, message, module, _ in EXPECTED_EXPORT_WARNINGS:
+        assert shown(categories[category], message, modules[module]) == 0, message
+    assert shown(tracer, 'Converting a tensor to a NumPy array', 'mmslab.deploy.end2end') == 1
+    assert shown(tracer, 'Converting a tensor to a Python boolean', 'torchvision.ops') == 1
+    assert shown(UserWarning, 'Exporting aten::index operator', 'mmslab.models') == 1
+    assert shown(UserWarning, 'Any other warning', 'torch.onnx.utils') == 1

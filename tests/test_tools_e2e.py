@@ -245,3 +245,57 @@ def test_safe_loader_refuses_pickled_objects(tmp_path):
     loaded = load_checkpoint_file(str(path))
     assert torch.equal(loaded['w'], torch.ones(2)) and loaded['n'] == 2.5
     assert loaded['a'].tolist() == [0, 1, 2]
+
+
+def test_summarize_run_shows_the_deployed_forms(tmp_path, capsys):
+    """tools/summarize_run.py on a work dir as tools/demo.sh fills it: the deployed model's
+    metrics and demo-image latency (deployed_*/) and the export's whole-model latency
+    (export/export.json) are printed, in summary.json and drawn in summary.png."""
+    from conftest import load_tool
+    work = tmp_path / 'work'
+    run = work / '20250101_000000' / 'vis_data'
+    run.mkdir(parents=True)
+    records = [dict(iter=i, loss=2.0 - i / 100, lr=1e-4, step=i) for i in range(1, 4)] + [
+        {'coco/bbox_mAP': 0.588, 'coco/segm_mAP': 0.694, 'step': 0}]
+    (run / 'scalars.json').write_text('\n'.join(json.dumps(r) for r in records) + '\n')
+
+    def latency(median, unfused=None, **extra):
+        out = dict(fused=dict(count=50, median_ms=median, p90_ms=median * 1.1,
+                              images_per_s=1000 / median), **extra)
+        if unfused:
+            out['unfused'] = dict(count=50, median_ms=unfused)
+            out['speedup_median'] = unfused / median
+        return out
+
+    (work / 'latency.json').write_text(json.dumps(latency(150.0, 224.5, timed='fused')))
+    (work / 'export').mkdir()
+    ms = {'eager fp32': 2461.0, 'onnxruntime fp32': 1900.0, 'onnxruntime int8': 1300.0,
+          'openvino fp32': 1500.0, 'openvino int8': 600.0}
+    (work / 'export' / 'export.json').write_text(json.dumps(
+        dict(latency=dict(shape='800x1333', input=[800, 1344], repeat=3, median_ms=ms))))
+    deployed = work / 'deployed_openvino_int8'
+    deployed.mkdir()
+    (deployed / 'metrics.json').write_text(json.dumps(
+        {'coco/bbox_mAP': 0.587, 'coco/segm_mAP': 0.691, 'backend': 'openvino'}))
+    (deployed / 'latency.json').write_text(json.dumps(
+        latency(65.2, 224.5, timed='deployed: openvino int8 whole model')))
+
+    summary = load_tool('summarize_run').main([str(work), '--elapsed', '780'])
+    out = capsys.readouterr().out
+    assert 'deployed   whole model 800x1333: eager fp32 2461 ms, ' in out
+    assert 'openvino int8 600 ms (4.10x)' in out
+    assert ('deployed   openvino_int8      coco/bbox_mAP 0.587, coco/segm_mAP 0.691 '
+            '(fused PyTorch 0.588, 0.694)') in out
+    assert ('deployed   openvino_int8      latency per image: median 65.2 ms (deployed: '
+            'openvino int8 whole model), unfused PyTorch 224.5 ms (3.44x)') in out
+    assert summary['deployed']['latency']['median_ms'] == ms
+    assert summary['deployed']['openvino_int8'] == {
+        'coco/bbox_mAP': 0.587, 'coco/segm_mAP': 0.691,
+        'latency': dict(timed='deployed: openvino int8 whole model', median_ms=65.2,
+                        unfused_median_ms=224.5, images=50)}
+    assert json.loads((work / 'summary.json').read_text())['deployed'] == summary['deployed']
+    import matplotlib.image
+    height, width = matplotlib.image.imread(str(work / 'summary.png')).shape[:2]
+    # loss, demo-image latency (with the deployed model), the deployed whole model:
+    # 3 panels of 5.5 x 4.5 inches at 100 dpi
+    assert (width, height) == (1650, 450)

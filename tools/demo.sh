@@ -26,7 +26,7 @@ if [ "${DEMO_KIND:-coco}" = coco ]; then FULL_SHAPE=800x1333; else FULL_SHAPE=51
 # runtimes, timed at the full test size next to eager PyTorch, and evaluated in OpenVINO INT8.
 "$PY" tools/export_onnx.py "$CONFIG" "$CKPT" --out "$WORK/export" --int8 --calib-images 16 \
     --latency "$FULL_SHAPE" --repeat 3
-"$PY" tools/test.py "$CONFIG" "$CKPT" --backend openvino --int8 --export-dir "$WORK/export" \
+"$PY" tools/test.py "$CONFIG" "$CKPT" --backend openvino --precision int8 --export-dir "$WORK/export" \
     --work-dir "$WORK/deployed_openvino_int8"
 "$PY" tools/visualize_predictions.py "$CONFIG" "$CKPT" --num-images 4 --out "$WORK/predictions"
 "$PY" tools/summarize_run.py "$WORK" --elapsed $(( $(date +%s) - START ))

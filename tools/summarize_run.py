@@ -1,9 +1,15 @@
-"""Summarize a training run: final metrics, fused vs unfused latency, and a plot.
+"""Summarize a training run: final metrics, fused vs unfused latency, the deployed model,
+and a plot.
 
     python tools/summarize_run.py WORK_DIR [--elapsed SECONDS]
 
-Reads mmengine's ``vis_data/scalars.json`` of the newest run in WORK_DIR and the hook's
-``latency.json``; prints the figures and writes ``summary.json`` and ``summary.png``.
+Reads from WORK_DIR (as ``tools/demo.sh`` fills it) mmengine's ``vis_data/scalars.json`` of
+the newest run and the hook's ``latency.json``, and where present
+``full_size_speed/benchmark.json`` (``tools/benchmark.py``), ``export/export.json`` (its
+``latency``: the whole model in eager PyTorch and each exported form,
+``tools/export_onnx.py --latency``) and ``deployed_*/metrics.json`` / ``latency.json``
+(``tools/test.py --backend``: the deployed model's metrics and per-image latency); prints
+the figures and writes ``summary.json`` and ``summary.png``.
 """
 import argparse
 import glob
@@ -72,14 +78,14 @@ def main(argv=None):
         print(f"           ({full['machine']['cpu']}, {full['threads']} threads, median of "
               f"{full['repeat']} interleaved runs, trained weights; the baseline has random "
               'weights)')
-    summary['deployed'] = deployed_rows(args.work_dir)
+    summary['deployed'] = deployed = deployed_rows(args.work_dir, final)
     pred_png = osp.join(args.work_dir, 'predictions', 'predictions.png')
     if osp.exists(pred_png):
         summary['predictions'] = pred_png
     if args.elapsed:
         print(f'wall time          {args.elapsed / 60:.1f} min')
     png = osp.join(args.work_dir, 'summary.png')
-    plot(train, evals, latency, png, summary.get('full_size_latency'))
+    plot(train, evals, latency, png, summary.get('full_size_latency'), deployed)
     with open(osp.join(args.work_dir, 'summary.json'), 'w') as f:
         json.dump(summary, f, indent=2)
     print(f"logs, checkpoints: {osp.abspath(args.work_dir)}\nlatency:  {lat_path}\n"
@@ -90,10 +96,11 @@ def main(argv=None):
     return summary
 
 
-def deployed_rows(work_dir):
+def deployed_rows(work_dir, fused_metrics=None):
     """The whole exported model (``tools/export_onnx.py --latency``, ``export/export.json``)
-    next to eager PyTorch, and the deployed model's metrics (``tools/test.py --backend``,
-    ``deployed_*/metrics.json``); printed, returned for the summary."""
+    next to eager PyTorch, and per ``deployed_<name>/`` (``tools/test.py --backend``) the
+    deployed model's metrics (``metrics.json``) and per-image latency on the test images
+    (``latency.json``); printed, returned for the summary and the plot."""
     rows = {}
     export_json = osp.join(work_dir, 'export', 'export.json')
     if osp.exists(export_json):
@@ -112,8 +119,26 @@ def deployed_rows(work_dir):
             metrics = json.load(f)
         name = osp.basename(osp.dirname(path))[len('deployed_'):]
         keys = [k for k in ('coco/bbox_mAP', 'coco/segm_mAP', 'mIoU') if k in metrics]
-        print(f'deployed   {name:18s} ' + ', '.join(f'{k} {metrics[k]:.3f}' for k in keys))
+        line = ', '.join(f'{k} {metrics[k]:.3f}' for k in keys)
+        if fused_metrics and all(k in fused_metrics for k in keys):
+            line += ' (fused PyTorch ' + ', '.join(f'{fused_metrics[k]:.3f}' for k in keys) + ')'
+        print(f'deployed   {name:18s} {line}')
         rows[name] = {k: metrics[k] for k in keys}
+        lat_path = osp.join(osp.dirname(path), 'latency.json')
+        if osp.exists(lat_path):
+            with open(lat_path) as f:
+                lat = json.load(f)
+            timed, unfused = lat.get('fused', {}), lat.get('unfused', {})
+            if timed.get('count'):
+                rows[name]['latency'] = dict(
+                    timed=lat.get('timed', name), median_ms=timed['median_ms'],
+                    unfused_median_ms=unfused.get('median_ms'), images=timed['count'])
+                line = (f"deployed   {name:18s} latency per image: median "
+                        f"{timed['median_ms']:.1f} ms ({lat.get('timed', name)})")
+                if unfused.get('count'):
+                    line += (f", unfused PyTorch {unfused['median_ms']:.1f} ms "
+                             f"({unfused['median_ms'] / timed['median_ms']:.2f}x)")
+                print(line)
     return rows
 
 
@@ -134,33 +159,68 @@ def full_size_rows(report):
     return [r for r in rows.values() if 'fused_ms' in r and 'unfused_ms' in r]
 
 
-def plot(train, evals, latency, path, full_size=None):
-    with saved_figure(path, ncols=3 if full_size else 2,
-                      figsize=(16 if full_size else 11, 4)) as (fig, axes):
-        axes = axes[0]
+def plot(train, evals, latency, path, full_size=None, deployed=None):
+    """Training loss; latency on the demo images (fused, unfused and each deployed model the
+    work dir evaluated); at the full test size: fused / unfused / baselines, and the whole
+    model in eager PyTorch and in each exported form."""
+    deployed = deployed or {}
+    whole = deployed.get('latency')
+    ncols = 2 + bool(full_size) + bool(whole)
+    with saved_figure(path, ncols=ncols, figsize=(5.5 * ncols, 4.5)) as (fig, axes):
+        axes = list(axes[0])
+        loss_ax, demo_ax = axes[:2]
         if train:
-            axes[0].plot([r['iter'] for r in train], [r['loss'] for r in train], label='loss')
-            axes[0].set_xlabel('iteration')
-            axes[0].set_ylabel('training loss')
-            axes[0].grid(alpha=0.3)
-            axes[0].set_title('training loss')
+            loss_ax.plot([r['iter'] for r in train], [r['loss'] for r in train], label='loss')
+            loss_ax.set_xlabel('iteration')
+            loss_ax.set_ylabel('training loss')
+            loss_ax.grid(alpha=0.3)
+            loss_ax.set_title('training loss')
+        names, values, colors = [], [], []
         if latency and latency.get('fused', {}).get('count'):
-            names, values = ['fused'], [latency['fused']['median_ms']]
+            names.append('fused')
+            values.append(latency['fused']['median_ms'])
+            colors.append('tab:green')
             if latency.get('unfused', {}).get('count'):
                 names.append('unfused')
                 values.append(latency['unfused']['median_ms'])
-            axes[1].bar(names, values, color=['tab:green', 'tab:gray'][:len(values)])
-            axes[1].set_ylabel('median ms per image')
-            axes[1].set_title('inference latency, demo images')
+                colors.append('tab:gray')
+        for name, row in deployed.items():
+            if name != 'latency' and row.get('latency'):
+                names.append(name.replace('_', ' ') + '\n(deployed)')
+                values.append(row['latency']['median_ms'])
+                colors.append('tab:purple')
+        if values:
+            demo_ax.bar(names, values, color=colors)
+            for i, v in enumerate(values):
+                demo_ax.annotate(f'{v:.0f}', (i, v), ha='center', va='bottom', fontsize=8)
+            demo_ax.set_ylabel('median ms per image')
+            demo_ax.set_title('inference latency, demo test images')
+        col = 2
         if full_size:
+            ax = axes[col]
+            col += 1
             series = [('fused', 'fused_ms'), ('unfused', 'unfused_ms'),
                       ('mmdet Swin-T', 'baseline_ms'), ('LN control', 'control_ms')]
-            grouped_bars(axes[2], [f"{r['part']}\n{r['shape']}" for r in full_size],
+            grouped_bars(ax, [f"{r['part']}\n{r['shape']}" for r in full_size],
                          {name: [r.get(key, 0.0) for r in full_size] for name, key in series},
                          color=['tab:green', 'tab:gray', 'tab:blue', 'tab:orange'])
-            axes[2].set_ylabel('median ms per image')
-            axes[2].set_title('latency at the full test size')
-            axes[2].legend(fontsize=8)
+            ax.set_ylabel('median ms per image')
+            ax.set_title('latency at the full test size')
+            ax.legend(fontsize=8)
+        if whole:
+            ax = axes[col]
+            ms = whole['median_ms']
+            eager = ms.get('eager fp32')
+            labels = [k.replace('onnxruntime', 'ORT').replace('openvino', 'OpenVINO')
+                      .replace(' ', '\n') for k in ms]
+            ax.bar(labels, list(ms.values()),
+                   color=['tab:gray' if k.startswith('eager') else 'tab:purple' for k in ms])
+            for i, (k, v) in enumerate(ms.items()):
+                note = f'{v:.0f}' + (f'\n{eager / v:.2f}x' if eager and k != 'eager fp32' else '')
+                ax.annotate(note, (i, v), ha='center', va='bottom', fontsize=8)
+            ax.set_ylabel('median ms per image')
+            ax.set_title(f"deployed whole model, {whole['shape']}")
+            ax.margins(y=0.2)
 
 
 if __name__ == '__main__':

@@ -15,9 +15,10 @@ of the graph. ``dynamic=True`` traces inside :func:`~mmslab.models.layers.symbol
 (and, for mmdet's own Swin, :func:`.mmdet_swin.dynamic_mmdet_swin`), so those are computed
 from the runtime size and the graph serves any height and width.
 """
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 import os.path as osp
-from typing import List, Tuple
+import warnings
+from typing import Iterator, List, Tuple
 
 import numpy as np
 import torch
@@ -184,18 +185,55 @@ class ExportWrapper(nn.Module):
         return tuple(outs) if isinstance(outs, (list, tuple)) else (outs, )
 
 
+#: Warnings that tracing and exporting mmslab's models always give and that say nothing about
+#: the graph: ``(category name, message start, module regex, why it is expected)``.
+EXPECTED_EXPORT_WARNINGS = (
+    ('TracerWarning', 'Converting a tensor to a NumPy array',
+     r'mmslab\.models\.layers\.window_attention',
+     "the padded token's qkv value is computed from the weights: a constant by design"),
+    ('TracerWarning', 'torch.from_numpy results are registered as constants',
+     r'mmslab\.models\.layers\.window_attention', 'the same constant'),
+    ('TracerWarning', 'torch.tensor results are registered as constants',
+     r'mmslab\.(models\.layers\.shift_window|deploy\.mmdet_swin)',
+     "the shift mask's fill values, -100 and 0"),
+    ('TracerWarning', 'Converting a tensor to a Python boolean',
+     r'mmslab\.models\.layers\.patch', "patch merging's token-count check"),
+    ('TracerWarning', 'Converting a tensor to a Python boolean', r'torch$',
+     "torchvision's RoI box-shape check (torch._assert: boxes have 5 columns)"),
+    ('UserWarning', 'Constant folding - Only steps=1 can be constant folded',
+     r'torch\.onnx\.', 'a Slice with a step is left to the runtime'),
+    ('UserWarning', 'Exporting aten::index operator of advanced indexing', r'torch\.onnx\.',
+     'the index tensors (window gathers) are never negative'),
+)
+
+
+@contextmanager
+def expected_export_warnings() -> Iterator[None]:
+    """Inside the block, the warnings of :data:`EXPECTED_EXPORT_WARNINGS` are not shown;
+    any other warning is (a ``TracerWarning`` elsewhere can mean that a size became a
+    constant of the graph)."""
+    categories = dict(TracerWarning=torch.jit.TracerWarning, UserWarning=UserWarning)
+    with warnings.catch_warnings():
+        for category, message, module, _ in EXPECTED_EXPORT_WARNINGS:
+            warnings.filterwarnings('ignore', message=message.replace('.', r'\.'),
+                                    category=categories[category], module=module)
+        yield
+
+
 def export_onnx(model: nn.Module, part: str, shape: Tuple[int, int], path: str,
                 dynamic: bool = False, opset: int = 18, seg_argmax: bool = False,
                 attention: str = DEFAULT_ATTENTION_LAYOUT) -> List[str]:
     """Write ``part`` of the (already fused, eval-mode) ``model`` to ``path``, traced at
     ``shape``; returns the output names. ``dynamic``: height and width are free.
     ``attention``: the layout of mmslab's window softmax attention in the graph (see
-    :func:`~mmslab.models.layers.window_attention.exported_attention_layout`)."""
+    :func:`~mmslab.models.layers.window_attention.exported_attention_layout`). The
+    exporter's expected warnings are not shown (:func:`expected_export_warnings`)."""
     from mmslab.models.layers.window_attention import exported_attention_layout
     from .mmdet_swin import dynamic_mmdet_swin, split_mmdet_window_attention
     wrapper = ExportWrapper(make_exportable(model), part, seg_argmax).eval()
     dummy = torch.randn(1, 3, *shape)
     with ExitStack() as stack:
+        stack.enter_context(expected_export_warnings())
         stack.enter_context(exported_attention_layout(attention))
         if attention == 'split':
             stack.enter_context(split_mmdet_window_attention())

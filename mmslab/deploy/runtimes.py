@@ -13,6 +13,7 @@ on x86 CPUs (:data:`ORT_NO_BF16`).
 """
 import os
 import os.path as osp
+import warnings
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -221,17 +222,50 @@ def _is_grouped_conv(node) -> bool:
 
 
 def quantize_openvino(xml_path: str, out_path: str, calibration: Sequence[np.ndarray]) -> str:
-    """NNCF post-training INT8 quantization of the OpenVINO model (transformer preset)."""
+    """NNCF post-training INT8 quantization of the OpenVINO model (transformer preset).
+
+    NNCF averages each quantized tensor's per-image minimum and maximum over the calibration
+    images. A tensor that is empty for an image reduces to +-FLT_MAX (the identity of min /
+    max): in a detector, the RoIAlign of an FPN level that no RoI was assigned to. The mean of
+    two such values overflows float32, which numpy reports as "overflow encountered in
+    reduce". Those RoIAlign outputs share one quantization range with the other levels (they
+    are merged), whose finite statistics set it, so the model is unaffected: the warning is
+    not shown, and every quantizer's range is checked to be finite instead.
+    """
     import nncf
     import openvino as ov
     model = ov.Core().read_model(xml_path)
     dataset = nncf.Dataset(list(calibration))
     # adaptive pooling's bin products stay float (see onnx_export.PoolingProduct)
     ignored = nncf.IgnoredScope(patterns=['.*/pool_product/.*'], validate=False)
-    quantized = nncf.quantize(model, dataset, model_type=nncf.ModelType.TRANSFORMER,
-                              subset_size=len(calibration), ignored_scope=ignored)
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='overflow encountered in reduce',
+                                category=RuntimeWarning)
+        quantized = nncf.quantize(model, dataset, model_type=nncf.ModelType.TRANSFORMER,
+                                  subset_size=len(calibration), ignored_scope=ignored)
+    check_quantizer_ranges(quantized)
     ov.save_model(quantized, out_path)
     return out_path
+
+
+def check_quantizer_ranges(model) -> int:
+    """Raise if a ``FakeQuantize`` of the OpenVINO ``model`` has a range that is not finite
+    (its input / output low and high constants); returns how many were checked."""
+    checked = 0
+    for op in model.get_ops():
+        if op.get_type_name() != 'FakeQuantize':
+            continue
+        for i in range(1, 5):
+            node = op.input_value(i).get_node()
+            while node.get_type_name() == 'Convert':  # a compressed constant
+                node = node.input_value(0).get_node()
+            if node.get_type_name() == 'Constant' and \
+                    not np.isfinite(node.get_data().astype(np.float64)).all():
+                raise RuntimeError(f'INT8 quantization gave {op.get_friendly_name()} a range '
+                                   'that is not finite: calibrate on other or more images '
+                                   '(--calib-images)')
+        checked += 1
+    return checked
 
 
 def pad_to_shape(image, shape) -> 'np.ndarray':

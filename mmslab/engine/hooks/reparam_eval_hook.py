@@ -165,7 +165,10 @@ class ReparamEvalHook(Hook):
             (checked when the evaluation starts). Excludes ``PrecisionHook``.
         out_file: name of the JSON written to the work dir: the latency figures with the
             ``device``, ``precision``, ``timing`` method and ``machine``
-            (:func:`mmslab.utils.machine.machine_info`; on a GPU with its ``gpu`` entry).
+            (:func:`mmslab.utils.machine.machine_info`; on a GPU with its ``gpu`` entry), and
+            ``timed``: what the ``fused`` figures timed, ``'fused'``, ``'as is'`` or, when
+            ``RuntimeBackendHook`` runs an export in the test loop, the deployed form
+            (``'deployed: openvino int8 whole model'``), which the log line names too.
     """
 
     priority = 'VERY_HIGH'  # runs before CheckpointHook (VERY_LOW) in after_val_epoch
@@ -329,17 +332,20 @@ class ReparamEvalHook(Hook):
             if unfused.get('count') and fused.get('count'):
                 result['speedup_median'] = unfused['median_ms'] / fused['median_ms']
         result['machine'] = machine_info(device)
+        deployed = self._deployed_form(runner)
+        result['timed'] = deployed or ('fused' if self.reparam else 'as is')
         self.last_result = result
-        lines = [f"{active['mode']} latency per image ({'fused' if self.reparam else 'as is'}, "
-                 f"{device} {active['precision']}): "
+        what = deployed or f"{result['timed']}, {device} {active['precision']}"
+        lines = [f"{active['mode']} latency per image ({what}): "
                  f"median {fused.get('median_ms', float('nan')):.1f} ms, "
                  f"mean {fused.get('mean_ms', float('nan')):.1f} ms, "
                  f"p90 {fused.get('p90_ms', float('nan')):.1f} ms, "
                  f"{fused.get('images_per_s', float('nan')):.2f} img/s over {fused['count']} images"
                  + (f' of {world_size} ranks' if world_size > 1 else '')]
         if 'unfused' in result:
-            lines.append(f"unfused: median {result['unfused'].get('median_ms', float('nan')):.1f}"
-                         f" ms; speedup {result.get('speedup_median', float('nan')):.2f}x")
+            lines.append(f"unfused{' PyTorch model' if deployed else ''}: median "
+                         f"{result['unfused'].get('median_ms', float('nan')):.1f} ms; speedup "
+                         f"{result.get('speedup_median', float('nan')):.2f}x")
         for line in lines:
             runner.logger.info(line)
         scalars = {f"latency/{active['mode']}_fused_median_ms": fused.get('median_ms', 0.0)}
@@ -349,6 +355,18 @@ class ReparamEvalHook(Hook):
         if is_main_process():
             with open(osp.join(runner.work_dir, self.out_file), 'w') as f:
                 json.dump(result, f, indent=2)
+
+    @staticmethod
+    def _deployed_form(runner) -> Optional[str]:
+        """What the timed steps ran when another hook swapped an exported form into the fused
+        copy (``RuntimeBackendHook.deployed_form``, e.g. ``'deployed: openvino int8 whole
+        model'``); ``None`` when the fused (or as-is) PyTorch model ran. Asked in
+        ``after_*_epoch``, where that hook (priority HIGH, after this one) still holds it."""
+        for hook in getattr(runner, 'hooks', ()):
+            form = getattr(hook, 'deployed_form', None)
+            if callable(form) and form() is not None:
+                return f'deployed: {form()}'
+        return None
 
     # -- mmengine hook points --------------------------------------------------------------
     def before_val_epoch(self, runner) -> None:

@@ -333,6 +333,16 @@ class RuntimeBackendHook(Hook):
             elif name in vars(model):
                 delattr(model, name)
 
+    def deployed_form(self) -> Optional[str]:
+        """What the test steps run while the swap is in place, e.g. ``'openvino int8 whole
+        model'`` or ``'onnxruntime fp32 backbone (the rest in PyTorch)'``; ``None`` outside
+        it. ``ReparamEvalHook`` names its latency figures with it."""
+        if self._patched is None:
+            return None
+        what = {'model': 'whole model', 'features': 'backbone + neck'}.get(self.part, self.part)
+        rest = '' if self.part == 'model' else ' (the rest in PyTorch)'
+        return f'{self.runtime} {self.precision} {what}{rest}'
+
     @contextmanager
     def runs_in_runtime(self, runner) -> Iterator[nn.Module]:
         """The swap as a context manager: inside the block the model that ``runner.model``
