@@ -61,34 +61,32 @@ def register_model(name: Optional[str] = None) -> Callable[[type], type]:
     return _register
 
 
-def register_hook(name: Optional[str] = None) -> Callable[[type], type]:
-    """Class decorator: register a hook in mmengine's root ``HOOKS`` (found from mmdet and mmseg)."""
+def _register_in_root(root, registry_name: str, name: Optional[str]) -> Callable[[type], type]:
+    """Class decorator registering in mmengine's root registry ``root``, after checking that
+    neither it nor mmdet's / mmseg's registry of the same name (its children, which find it)
+    has the name."""
 
     def _register(cls: type) -> type:
         key = name or cls.__name__
-        from mmdet.registry import HOOKS as MMDET_HOOKS
-        from mmseg.registry import HOOKS as MMSEG_HOOKS
-        MMDET_HOOKS.import_from_location()
-        MMSEG_HOOKS.import_from_location()
-        _check_free(key, (HOOKS, MMDET_HOOKS, MMSEG_HOOKS))
-        HOOKS.register_module(name=key, module=cls)
+        import mmdet.registry
+        import mmseg.registry
+        children = (getattr(mmdet.registry, registry_name),
+                    getattr(mmseg.registry, registry_name))
+        for child in children:
+            child.import_from_location()
+        _check_free(key, (root, *children))
+        root.register_module(name=key, module=cls)
         return cls
 
     return _register
+
+
+def register_hook(name: Optional[str] = None) -> Callable[[type], type]:
+    """Class decorator: register a hook in mmengine's root ``HOOKS`` (found from mmdet and mmseg)."""
+    return _register_in_root(HOOKS, 'HOOKS', name)
 
 
 def register_optim_wrapper(name: Optional[str] = None) -> Callable[[type], type]:
     """Class decorator: register an optimizer wrapper in mmengine's root ``OPTIM_WRAPPERS``
     (found from mmdet's and mmseg's configs, whose registries are its children)."""
-
-    def _register(cls: type) -> type:
-        key = name or cls.__name__
-        from mmdet.registry import OPTIM_WRAPPERS as MMDET_OPTIM_WRAPPERS
-        from mmseg.registry import OPTIM_WRAPPERS as MMSEG_OPTIM_WRAPPERS
-        MMDET_OPTIM_WRAPPERS.import_from_location()
-        MMSEG_OPTIM_WRAPPERS.import_from_location()
-        _check_free(key, (OPTIM_WRAPPERS, MMDET_OPTIM_WRAPPERS, MMSEG_OPTIM_WRAPPERS))
-        OPTIM_WRAPPERS.register_module(name=key, module=cls)
-        return cls
-
-    return _register
+    return _register_in_root(OPTIM_WRAPPERS, 'OPTIM_WRAPPERS', name)

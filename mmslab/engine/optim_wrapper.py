@@ -101,19 +101,6 @@ def cpu_autocast(dtype: torch.dtype = torch.bfloat16) -> Iterator[None]:
         _state.depth -= 1
 
 
-def _float32_outputs(obj):
-    """Low-precision floating tensors of a nested output back to float32."""
-    if isinstance(obj, torch.Tensor):
-        return obj.float() if obj.dtype in _LOW_PRECISION else obj
-    if isinstance(obj, tuple) and hasattr(obj, '_fields'):  # namedtuple
-        return type(obj)(*(_float32_outputs(o) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_float32_outputs(o) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _float32_outputs(v)) for k, v in obj.items())
-    return obj
-
-
 @register_optim_wrapper()
 class CPUAmpOptimWrapper(OptimWrapper):
     """:class:`~mmengine.optim.OptimWrapper` that trains in bf16 mixed precision on a CPU.
@@ -185,10 +172,12 @@ class CPUAmpOptimWrapper(OptimWrapper):
         self._device_checked = True
 
     def _autocast_forward(self, forward):
+        from mmslab.utils.precision import float32_outputs  # tool support, not an engine layer
+
         def autocast_forward(*args, **kwargs):
             with cpu_autocast(self.cast_dtype):
                 out = forward(*args, **kwargs)
-            return _float32_outputs(out)
+            return float32_outputs(out)
         return autocast_forward
 
     @contextmanager

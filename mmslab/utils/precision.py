@@ -36,16 +36,16 @@ AUTO_REPEAT = 3
 # eager autocast (bf16, fp16)
 # ----------------------------------------------------------------------------------------------
 
-def _to_float32(obj):
+def float32_outputs(obj):
     """Low-precision floating tensors of a nested output back to float32."""
     if isinstance(obj, torch.Tensor):
         return obj.float() if obj.dtype in (torch.bfloat16, torch.float16) else obj
     if isinstance(obj, tuple) and hasattr(obj, '_fields'):  # namedtuple
-        return type(obj)(*(_to_float32(o) for o in obj))
+        return type(obj)(*(float32_outputs(o) for o in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_float32(o) for o in obj)
+        return type(obj)(float32_outputs(o) for o in obj)
     if isinstance(obj, dict):
-        return type(obj)((k, _to_float32(v)) for k, v in obj.items())
+        return type(obj)((k, float32_outputs(v)) for k, v in obj.items())
     return obj
 
 
@@ -171,7 +171,7 @@ class AutocastRegions:
                 return fn(*args, **kwargs)
             with torch.autocast(self.device_type, dtype=self.dtype):
                 out = fn(*args, **kwargs)
-            return _to_float32(out)
+            return float32_outputs(out)
         return forward
 
     @property
