@@ -135,8 +135,10 @@ def test_whole_model_export_report_and_parity(exported, task):
     if task == 'det':  # the comparison had detections to compare
         records = report['runtimes']['onnxruntime']['fp32'].values()
         assert sum(r['num_ref'] for r in records) >= 20
-    # the exporter's expected warnings and the calibration's overflow are not shown
-    assert 'Warning' not in ex['output'], ex['output'][-3000:]
+    # the exporter's expected warnings and the calibration's overflow are not shown (mmseg's
+    # own deprecation notices from building the model and its test pipeline are mmseg's)
+    for shown in ('TracerWarning', 'torch/onnx', 'overflow encountered'):
+        assert shown not in ex['output'], ex['output'][-3000:]
 
 
 @pytest.mark.slow
