@@ -230,8 +230,12 @@ def parse_exports(text: str) -> dict:
     return out
 
 
-def run_plan(bin_dir, **env):
-    full = dict(os.environ, PATH=f'{bin_dir}{os.pathsep}{os.environ["PATH"]}', **env)
+def run_plan(bin_dir=None, **env):
+    """``cuda_build.py plan`` in a subprocess, ``bin_dir`` (fake programs) first on PATH and
+    the user's TORCH_CUDA_ARCH_LIST replaced by ``env``'s."""
+    full = dict(os.environ)
+    if bin_dir is not None:
+        full['PATH'] = f'{bin_dir}{os.pathsep}{full["PATH"]}'
     full.pop('TORCH_CUDA_ARCH_LIST', None)
     full.update(env)
     return subprocess.run([sys.executable, '-P', SCRIPT, 'plan'], env=full, text=True,
@@ -305,26 +309,11 @@ def test_cuda_home_nvcc_is_found_first_and_its_version_decides(tmp_path):
 
 # -- the recipe itself, compiling CUDA code with the plan's environment --------------------------
 def plan_exports(**env) -> dict:
-    full = dict(os.environ, **env)
-    proc = subprocess.run([sys.executable, '-P', SCRIPT, 'plan'], env=full, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+    proc = run_plan(**env)
     if proc.returncode == 3 and 'no nvcc found' in proc.stderr:
         pytest.skip('no CUDA compiler on this machine: ' + proc.stderr.strip())
     assert proc.returncode == 0, proc.stderr
     return parse_exports(proc.stdout)
-
-
-def cuobjdump(tmp_path) -> str:
-    """This machine's cuobjdump, else the one of the nvidia-cuda-cuobjdump wheel (0.3 MB)."""
-    found = cuda_build.find_tool('cuobjdump', '/usr/local/cuda')
-    if found:
-        return found
-    import torch
-    target = tmp_path / 'cuda-tools'
-    subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '--no-deps', '--target',
-                    str(target), f'nvidia-cuda-cuobjdump=={torch.version.cuda.split(".")[0]}.*'],
-                   check=True, timeout=300)
-    return next(iter(target.glob('nvidia/*/bin/cuobjdump')))
 
 
 @pytest.mark.slow
@@ -348,10 +337,8 @@ def test_cuda_recipe_compiles_cuda_code_with_the_plans_environment(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         ext = next(n for n in z.namelist() if n.startswith('mmcv/_ext') and n.endswith('.so'))
         z.extract(ext, tmp_path / 'whl')
-    tool = cuobjdump(tmp_path)
-    listing = {flag: subprocess.run([str(tool), flag, str(tmp_path / 'whl' / ext)], text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT).stdout
-               for flag in ('--list-elf', '--list-ptx')}
-    present = cuda_build.archs_in_binary(listing['--list-elf'], listing['--list-ptx'])
-    assert cuda_build.missing_archs('9.0', present) == [], listing
+    tool = cuda_build.cuobjdump(str(tmp_path / 'cuda-tools'), '/usr/local/cuda')
+    present, cubins = cuda_build.device_code(str(tmp_path / 'whl' / ext), tool)
+    assert cubins >= 1
+    assert cuda_build.missing_archs('9.0', present) == [], present
     assert cuda_build.missing_archs('8.0', present) == ['8.0'], present

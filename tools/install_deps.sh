@@ -141,19 +141,9 @@ else
 fi
 
 step "checking the compiled ops ($MMSLAB_MMCV_KIND build $MMSLAB_MMCV_KEY)"
-if [ "$MMSLAB_MMCV_KIND" = cuda ] && ! "$VPY" -c \
-        "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-    # No GPU to run the CUDA ops on: list their device code instead, with a cuobjdump kept
-    # beside the wheel cache (0.3 MB) when the toolkit has none.
-    CUOBJDUMP="$(command -v cuobjdump || ls "${MMSLAB_BUILD_CUDA_HOME:-/nonexistent}/bin/cuobjdump" \
-        "$WHEELS"/cuda-tools/nvidia/*/bin/cuobjdump 2>/dev/null | head -n1 || true)"
-    if [ -z "$CUOBJDUMP" ]; then
-        "${PIP[@]}" -q --no-deps --target "$WHEELS/cuda-tools" \
-            "nvidia-cuda-cuobjdump==${MMSLAB_TORCH_CUDA%%.*}.*"
-        CUOBJDUMP="$(ls "$WHEELS"/cuda-tools/nvidia/*/bin/cuobjdump | head -n1)"
-    fi
-    export MMSLAB_CUOBJDUMP="$CUOBJDUMP"
-fi
+# Without a GPU a CUDA build's device code is listed with cuobjdump; one fetched from PyPI
+# (0.3 MB) is kept beside the wheel cache.
+MMSLAB_CUDA_TOOLS="$WHEELS/cuda-tools" \
 "$VPY" -P "$REPO/mmslab/utils/cuda_build.py" verify "$MMSLAB_MMCV_KIND" "$MMSLAB_MMCV_ARCHS"
 "$VPY" - <<'PYEOF'
 import torch

@@ -114,6 +114,12 @@ def normalize_archs(text: str) -> str:
     return ';'.join(sorted(dict.fromkeys(entries), key=order))
 
 
+def _capability(entry: str) -> str:
+    """``'9.0+PTX'`` -> ``'9.0'``: the compute capability of an arch list entry."""
+    m = _ARCH_RE.match(entry)
+    return f'{m.group(1)}.{m.group(2)}'
+
+
 def arch_tag(archs: str) -> str:
     """``'8.0;9.0+PTX'`` -> ``'sm80-sm90+ptx'``: the arch list as a path component."""
     out = []
@@ -232,9 +238,7 @@ def plan_build(facts: BuildFacts, mode: str = 'auto',
         archs = DEFAULT_ARCHS
         notes.append(f'arch list: the default {archs} (set TORCH_CUDA_ARCH_LIST for others)')
     if facts.nvcc_archs:
-        unsupported = [a for a in archs.split(';')
-                       if _ARCH_RE.match(a).group(1) + '.' + _ARCH_RE.match(a).group(2)
-                       not in facts.nvcc_archs]
+        unsupported = [a for a in archs.split(';') if _capability(a) not in facts.nvcc_archs]
         if unsupported:
             raise BuildPlanError(
                 f'nvcc {nvcc_version} cannot compile for {", ".join(unsupported)}; it targets '
@@ -356,15 +360,47 @@ def shell_exports(plan: BuildPlan) -> str:
 
 
 # -- verification of the installed mmcv --------------------------------------------------------
-def find_tool(name: str, toolkit: Optional[str] = None) -> Optional[str]:
-    """``name`` (e.g. cuobjdump) from a toolkit, PATH or the nvidia-* wheels."""
+def find_tool(name: str, toolkit: Optional[str] = None,
+              extra_dirs: Sequence[str] = ()) -> Optional[str]:
+    """``name`` (e.g. cuobjdump) from a toolkit, PATH, the nvidia-* wheels in site-packages or
+    in ``extra_dirs`` (folders pip installed wheels into with ``--target``)."""
     candidates = [osp.join(toolkit, 'bin', name)] if toolkit else []
     which = shutil.which(name)
     if which:
         candidates.append(which)
-    for d in site_packages_dirs():
+    for d in [*site_packages_dirs(), *extra_dirs]:
         candidates += sorted(glob.glob(osp.join(d, 'nvidia', '*', 'bin', name)))
     return next((c for c in candidates if osp.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def cuobjdump(tools_dir: str, toolkit: Optional[str] = None) -> str:
+    """A cuobjdump: the toolkit's, PATH's or site-packages', else the one of the
+    ``nvidia-cuda-cuobjdump`` wheel (0.3 MB) of torch's CUDA major, installed into
+    ``tools_dir`` (kept there for the next call)."""
+    found = find_tool('cuobjdump', toolkit, [tools_dir])
+    if found:
+        return found
+    import torch
+    major = (torch.version.cuda or '13').split('.')[0]
+    code, out = _run([sys.executable, '-m', 'pip', 'install', '-q', '--disable-pip-version-check',
+                      '--no-deps', '--target', tools_dir, f'nvidia-cuda-cuobjdump=={major}.*'],
+                     timeout=600)
+    found = find_tool('cuobjdump', None, [tools_dir])
+    if found is None:
+        raise BuildPlanError(
+            f'no GPU to run the CUDA ops on and no cuobjdump to list their device code '
+            f'(pip install "nvidia-cuda-cuobjdump=={major}.*" failed: {out.strip()[-300:]}); '
+            'check on a GPU machine')
+    return found
+
+
+def device_code(binary: str, tool: str) -> Tuple[List[str], int]:
+    """``(archs, cubins)`` of a binary: its arch list (:func:`archs_in_binary`) and the
+    number of machine-code images, read with the cuobjdump ``tool``."""
+    code_elf, elf = _run([tool, '--list-elf', binary], timeout=300)
+    code_ptx, ptx = _run([tool, '--list-ptx', binary], timeout=300)
+    elf, ptx = (elf if code_elf == 0 else ''), (ptx if code_ptx == 0 else '')
+    return archs_in_binary(elf, ptx), len(re.findall(r'\.cubin', elf))
 
 
 def archs_in_binary(listing_elf: str, listing_ptx: str) -> List[str]:
@@ -380,9 +416,8 @@ def missing_archs(requested: str, present: Sequence[str]) -> List[str]:
     needs sm_90 machine code; ``9.0+PTX`` needs sm_90 machine code and compute_90 PTX."""
     missing = []
     for e in requested.split(';'):
-        m = _ARCH_RE.match(e)
-        cc = f'{m.group(1)}.{m.group(2)}'
-        if cc not in present or (m.group(4) and f'{cc}+PTX' not in present):
+        cc = _capability(e)
+        if cc not in present or (e.endswith('+PTX') and f'{cc}+PTX' not in present):
             missing.append(e)
     return missing
 
@@ -442,21 +477,14 @@ def verify(kind: str, archs: str) -> List[str]:
     if torch.cuda.is_available():
         return lines + verify_cuda_ops_on_gpu()
     ext = importlib.util.find_spec('mmcv._ext').origin
-    cuobjdump = os.environ.get('MMSLAB_CUOBJDUMP') or find_tool(
-        'cuobjdump', os.environ.get('MMSLAB_BUILD_CUDA_HOME'))
-    if cuobjdump is None:
-        raise BuildPlanError(
-            'no GPU to run the CUDA ops on and no cuobjdump to list their device code; '
-            f'install one (pip install "nvidia-cuda-cuobjdump=={torch.version.cuda.split(".")[0]}.*")'
-            ' or check on a GPU machine')
-    code_elf, elf = _run([cuobjdump, '--list-elf', ext], timeout=300)
-    code_ptx, ptx = _run([cuobjdump, '--list-ptx', ext], timeout=300)
-    present = archs_in_binary(elf if code_elf == 0 else '', ptx if code_ptx == 0 else '')
+    tools_dir = os.environ.get('MMSLAB_CUDA_TOOLS') or osp.join(
+        osp.expanduser('~'), '.cache', 'mmslab', 'wheels', 'cuda-tools')  # the installer's
+    tool = cuobjdump(tools_dir, os.environ.get('MMSLAB_BUILD_CUDA_HOME'))
+    present, n_elf = device_code(ext, tool)
     missing = missing_archs(archs, present)
     if missing:
         raise BuildPlanError(f'{ext} lacks device code for {", ".join(missing)} (it holds '
                              f'{", ".join(present) or "none"})')
-    n_elf = len(re.findall(r'\.cubin', elf))
     return lines + [f'{osp.basename(ext)}: {n_elf} cubins, device code for '
                     f'{", ".join(present)} (cuobjdump)']
 
