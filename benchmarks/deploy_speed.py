@@ -42,6 +42,7 @@ import mmslab
 from mmslab.benchmark import measure_interleaved, parse_shape, summarize
 from mmslab.deploy import (convert_to_openvino, export_onnx, quantize_onnxruntime,
                            quantize_openvino)
+from mmslab.deploy.export_info import is_segmentor
 from mmslab.deploy.onnx_export import DEFAULT_ATTENTION_LAYOUT as DEFAULT_ATTENTION
 from mmslab.deploy.runtimes import OnnxRuntimeModel, OpenVINOModel
 from mmslab.models.layers.window_attention import (ATTENTION_LAYOUTS,
@@ -148,7 +149,7 @@ def deploy_forms(model, part, shape, runtimes, workdir, threads, calib_images,
     forms = {}
     x = torch.randn(1, 3, *shape)
     if 'eager' in runtimes or 'eager bf16' in runtimes:
-        if part == 'model' and not hasattr(model, 'decode_head'):
+        if part == 'model' and not is_segmentor(model):
             eager = eager_detector(model, x)
         else:
             module = model._forward if part == 'model' else model

@@ -48,7 +48,7 @@ from mmslab.deploy import (PARTS, RUNTIMES, ExportWrapper, artifact_path, calibr
                            convert_to_openvino, export_onnx, load_runtime_model,
                            quantize_onnxruntime, quantize_openvino, torch_outputs)
 from mmslab.deploy.compare import FP32_TOLERANCE, compare_outputs, within_fp32_tolerance
-from mmslab.deploy.export_info import (dataset_meta, deploy_pipeline, file_sha256,
+from mmslab.deploy.export_info import (dataset_meta, deploy_pipeline, file_sha256, is_segmentor,
                                        model_config_sha256, runtime_versions, task_of)
 from mmslab.deploy.onnx_export import DEFAULT_ATTENTION_LAYOUT, onnx_size_mb
 from mmslab.deploy.runtimes import preprocessed_images
@@ -105,10 +105,6 @@ def parse_args(argv=None):
     if args.calib_images < 1 or args.eval_images < 1:
         p.error('--calib-images and --eval-images must be >= 1')
     return args
-
-
-def is_segmentor(model) -> bool:
-    return hasattr(model, 'decode_head')
 
 
 def condition_random_weights(model, shape, iters: int = 4) -> None:

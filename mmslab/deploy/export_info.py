@@ -38,8 +38,18 @@ def model_config_sha256(cfg) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def is_segmentor(model) -> bool:
+    """An mmseg segmentor (``EncoderDecoder`` and its kin: they have a decode head)."""
+    return hasattr(model, 'decode_head')
+
+
+def is_detector(model) -> bool:
+    """An mmdet detector (``extract_feat`` without a decode head)."""
+    return hasattr(model, 'extract_feat') and not is_segmentor(model)
+
+
 def task_of(model) -> str:
-    if hasattr(model, 'decode_head'):
+    if is_segmentor(model):
         return 'semantic_segmentation'
     roi_head = getattr(model, 'roi_head', None)
     if roi_head is not None and getattr(roi_head, 'with_mask', False):

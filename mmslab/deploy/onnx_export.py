@@ -28,6 +28,7 @@ from torch import Tensor
 
 from mmslab.models.layers.symbolic import symbolic_shapes, symbolic_shapes_enabled
 from .compare import max_relative_error  # noqa: F401  (re-exported)
+from .export_info import is_detector, is_segmentor
 
 PARTS = ('backbone', 'features', 'model')
 #: Measured faster in OpenVINO (fp32 and INT8) and equal in onnxruntime (docs/benchmarks.md).
@@ -108,14 +109,6 @@ def make_exportable(model: nn.Module) -> nn.Module:
     return model
 
 
-def _is_segmentor(model: nn.Module) -> bool:
-    return hasattr(model, 'decode_head')
-
-
-def _is_detector(model: nn.Module) -> bool:
-    return hasattr(model, 'extract_feat') and not _is_segmentor(model)
-
-
 class SegmentorEnd2End(nn.Module):
     """``image [1, 3, H, W] -> seg_logits`` (the decode head's output) or, with ``argmax``,
     ``seg_label [1, H, W]`` int64: logits resized to the input as the head does in
@@ -147,20 +140,20 @@ class ExportWrapper(nn.Module):
         super().__init__()
         if part not in PARTS:
             raise ValueError(f'unknown part {part!r}; valid: {PARTS}')
-        is_segmentor, is_detector = _is_segmentor(model), _is_detector(model)
-        if part == 'features' and not is_detector:
+        segmentor, detector = is_segmentor(model), is_detector(model)
+        if part == 'features' and not detector:
             raise ValueError("part 'features' (backbone + neck) is for detectors; use "
                              "'backbone' or 'model' for a segmentor")
-        if part == 'model' and not (is_detector or is_segmentor):
+        if part == 'model' and not (detector or segmentor):
             raise ValueError(f"part 'model' needs a detector or a segmentor, not "
                              f'{type(model).__name__}')
-        if seg_argmax and not (part == 'model' and is_segmentor):
+        if seg_argmax and not (part == 'model' and segmentor):
             raise ValueError("seg_argmax applies to part 'model' of a segmentor")
         if part == 'backbone':
             # a detector / segmentor, or a bare backbone (mmdet's Swin has a `backbone`
             # attribute of its own that is None)
-            self.model = model.backbone if (is_detector or is_segmentor) else model
-        elif part == 'model' and is_detector:
+            self.model = model.backbone if (detector or segmentor) else model
+        elif part == 'model' and detector:
             from .end2end import DetectorEnd2End, end2end_output_names
             self.model = DetectorEnd2End(model)
             self._names = end2end_output_names(model)
@@ -245,7 +238,7 @@ def export_onnx(model: nn.Module, part: str, shape: Tuple[int, int], path: str,
         axes = None
         if dynamic:
             axes = {'image': {2: 'height', 3: 'width'}}
-        if part == 'model' and _is_detector(model):
+        if part == 'model' and is_detector(model):
             axes = dict(axes or {}, **{n: {0: 'num_dets'} for n in names})
         elif dynamic and 'seg_label' in names:
             axes['seg_label'] = {1: 'height', 2: 'width'}

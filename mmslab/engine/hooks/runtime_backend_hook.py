@@ -32,7 +32,7 @@ from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
 from mmengine.runner import BaseLoop
 
-from mmslab.deploy.export_info import read_export_info
+from mmslab.deploy.export_info import is_detector, is_segmentor, read_export_info
 from mmslab.registry import register_hook
 
 
@@ -223,13 +223,12 @@ class RuntimeBackendHook(Hook):
                            f"{record['reason']}")
 
     def _replacements(self, model: nn.Module) -> dict:
-        is_segmentor = hasattr(model, 'decode_head')
-        is_detector = hasattr(model, 'extract_feat') and not is_segmentor
+        segmentor, detector = is_segmentor(model), is_detector(model)
         part = self.part
         shape = None if self.info.get('dynamic') else self.info['shape']
         run = RuntimePart(self._load(), shape)
         if part == 'features':
-            if not is_detector:
+            if not detector:
                 raise RuntimeError(f"{self.export_dir} holds part 'features' (detector backbone "
                                    f'+ neck) but the model is a {type(model).__name__}')
 
@@ -238,7 +237,7 @@ class RuntimeBackendHook(Hook):
 
             return dict(extract_feat=extract_feat)
         if part == 'backbone':
-            if not (is_detector or is_segmentor):
+            if not (detector or segmentor):
                 raise RuntimeError(f'cannot run a backbone export in a {type(model).__name__}')
 
             def extract_feat(inputs):
@@ -248,10 +247,10 @@ class RuntimeBackendHook(Hook):
                 return x
 
             return dict(extract_feat=extract_feat)
-        if part == 'model' and is_detector:
+        if part == 'model' and detector:
             return dict(predict=self._detector_predict(model, run))
         if part == 'model':
-            if not is_segmentor:
+            if not segmentor:
                 raise RuntimeError(f"cannot run a whole-model export in a "
                                    f'{type(model).__name__}')
             if self.info.get('outputs') == ['seg_label']:
