@@ -40,11 +40,10 @@ from mmengine.utils import ProgressBar
 
 import mmslab
 from mmslab.benchmark import measure_interleaved, parse_shape, summarize
-from mmslab.deploy import (convert_to_openvino, export_onnx, quantize_onnxruntime,
-                           quantize_openvino)
 from mmslab.deploy.export_info import is_segmentor
-from mmslab.deploy.onnx_export import DEFAULT_ATTENTION_LAYOUT as DEFAULT_ATTENTION
-from mmslab.deploy.runtimes import OnnxRuntimeModel, OpenVINOModel
+from mmslab.deploy.onnx_export import DEFAULT_ATTENTION_LAYOUT as DEFAULT_ATTENTION, export_onnx
+from mmslab.deploy.quantize import quantize_onnxruntime, quantize_openvino
+from mmslab.deploy.runtimes import convert_to_openvino, open_model
 from mmslab.models.layers.window_attention import (ATTENTION_LAYOUTS,
                                                    window_softmax_choices)
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
@@ -167,23 +166,23 @@ def deploy_forms(model, part, shape, runtimes, workdir, threads, calib_images,
             forms['eager bf16'] = eager_bf16
     image = x.numpy()
     if 'ort fp32' in runtimes:
-        m = OnnxRuntimeModel(onnx_path, threads)
+        m = open_model(onnx_path, 'onnxruntime', 'fp32', threads)
         forms['ort fp32'] = lambda m=m: m(image)
     if 'ort int8' in runtimes:
         q = quantize_onnxruntime(onnx_path, osp.join(workdir, 'model_int8.onnx'), calib)
-        m = OnnxRuntimeModel(q, threads)
+        m = open_model(q, 'onnxruntime', 'int8', threads)
         forms['ort int8'] = lambda m=m: m(image)
     if any(r.startswith('ov ') for r in runtimes):
         xml = convert_to_openvino(onnx_path, osp.join(workdir, 'openvino'))
         if 'ov fp32' in runtimes:
-            m = OpenVINOModel(xml, threads)
+            m = open_model(xml, 'openvino', 'fp32', threads)
             forms['ov fp32'] = lambda m=m: m(image)
         if 'ov bf16' in runtimes:
-            m = OpenVINOModel(xml, threads, bf16=True)
+            m = open_model(xml, 'openvino', 'bf16', threads)
             forms['ov bf16'] = lambda m=m: m(image)
         if 'ov int8' in runtimes:
             q = quantize_openvino(xml, osp.join(workdir, 'openvino', 'model_int8.xml'), calib)
-            m = OpenVINOModel(q, threads)
+            m = open_model(q, 'openvino', 'int8', threads)
             forms['ov int8'] = lambda m=m: m(image)
     return forms
 

@@ -17,6 +17,8 @@ and, for reference, the same graph in OpenVINO (f32 / bf16 ``INFERENCE_PRECISION
 and PyTorch (fp32 / ``torch.autocast`` bf16), which show what the CPU's bf16 units give.
 ``mmslab.deploy.runtimes.ORT_NO_BF16`` (the refusal of onnxruntime bf16) is this probe's
 finding on an Intel Xeon with AMX (onnxruntime 1.32); run it again where that may change.
+Sessions take the runtime layer's options (``ort_session_options``, ``openvino_config``),
+as every deployed model does.
 """
 import argparse
 import json
@@ -25,6 +27,8 @@ import os.path as osp
 import time
 
 import numpy as np
+
+from mmslab.deploy.runtimes import openvino_config, ort_session_options
 
 
 def mlp_graph(tokens: int, w1: np.ndarray, w2: np.ndarray, dtype: str):
@@ -81,8 +85,7 @@ def main(argv=None):
     ref = np.maximum(x @ w1, 0) @ w2
 
     def session(model, config=None):
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = args.threads
+        so = ort_session_options(args.threads)
         for k, v in (config or {}).items():
             so.add_session_config_entry(k, v)
         return ort.InferenceSession(model.SerializeToString(), so,
@@ -116,9 +119,8 @@ def main(argv=None):
         core = ov.Core()
         model = core.read_model(mlp_graph(args.tokens, w1, w2, 'fp32').SerializeToString(), b'')
         for hint in ('f32', 'bf16'):
-            compiled = core.compile_model(model, 'CPU', {
-                'INFERENCE_PRECISION_HINT': hint, 'INFERENCE_NUM_THREADS': args.threads,
-                'PERFORMANCE_HINT': 'LATENCY'})
+            compiled = core.compile_model(model, 'CPU',
+                                          openvino_config(args.threads, bf16=hint == 'bf16'))
             request = compiled.create_infer_request()
             record(f'openvino {hint} (reference)',
                    lambda r=request: r.infer({0: x}).to_tuple()[0].copy())

@@ -112,7 +112,7 @@ def exported(tiny):
 @pytest.mark.slow
 @pytest.mark.parametrize('task', ['det', 'seg'])
 def test_whole_model_export_report_and_parity(exported, task):
-    from mmslab.deploy.export_info import file_sha256
+    from mmslab.deploy.export_info import SCHEMA_VERSION, file_sha256, read_export_info
     ex = exported(task)
     report = ex['report']
     assert report['part'] == 'model' and report['dynamic'] is True
@@ -122,6 +122,9 @@ def test_whole_model_export_report_and_parity(exported, task):
                               'semantic_segmentation')
     assert report['checkpoint_sha256'] == file_sha256(ex['checkpoint'])
     assert report['random_weights'] is False and report['precisions'] == ['fp32', 'int8']
+    # written by export.json's owner, and valid to its reader as a whole model
+    assert report['schema_version'] == SCHEMA_VERSION
+    assert read_export_info(ex['export_dir'], whole_model=True)['outputs'] == report['outputs']
     # the default attention layout, taken by every softmax window block of the tiny PRepBN Swin
     assert report['attention']['layout'] == 'split' and report['attention']['split'] > 0
     assert report['attention']['packed'] == 0 and report['attention']['mmdet_window_msa'] == 0
@@ -469,25 +472,27 @@ def test_openvino_bf16_where_the_cpu_has_it(exported, monkeypatch):
     """bf16 runs the fp32 export in OpenVINO on CPUs with bf16 units (close to fp32) and is
     refused with a clear error elsewhere, and for onnxruntime / INT8."""
     from mmslab.deploy.compare import compare_outputs
-    from mmslab.deploy.runtimes import load_runtime_model, preprocessed_images
+    from mmslab.deploy.quantize import preprocessed_images
+    from mmslab.deploy.runtimes import load_runtime_model
+    from mmslab.engine.hooks import RuntimeBackendHook
     from mmslab.utils import machine
     ex = exported('det')
     with pytest.raises(ValueError, match='bf16 runs the fp32 export in OpenVINO'):
-        load_runtime_model(ex['export_dir'], 'onnxruntime', bf16=True)
+        load_runtime_model(ex['export_dir'], 'onnxruntime', 'bf16')
     with pytest.raises(ValueError, match='INT8 is its own precision'):
-        load_runtime_model(ex['export_dir'], 'openvino', int8=True, bf16=True)
+        RuntimeBackendHook(ex['export_dir'], 'openvino', int8=True, bf16=True)
     if machine.has_bf16():
         from mmslab.utils.launch import build_model_from_config
         cfg, model = build_model_from_config(ex['config'])
         image = preprocessed_images(cfg, model, 1, 'test')[0]
         names = ex['report']['outputs']
         fp32 = load_runtime_model(ex['export_dir'], 'openvino')(image)
-        bf16 = load_runtime_model(ex['export_dir'], 'openvino', bf16=True)(image)
+        bf16 = load_runtime_model(ex['export_dir'], 'openvino', 'bf16')(image)
         record = compare_outputs(names, fp32, bf16)
         assert record['num_ref'] > 0 and record['mean_iou'] > 0.8, record
     monkeypatch.setattr(machine, 'cpu_flags', lambda: ['avx2', 'avx512f'])
     with pytest.raises(RuntimeError, match='avx512_bf16 or amx_bf16'):
-        load_runtime_model(ex['export_dir'], 'openvino', bf16=True)
+        load_runtime_model(ex['export_dir'], 'openvino', 'bf16')
 
 
 @pytest.mark.slow
@@ -563,7 +568,8 @@ def test_runtime_backend_hook_restores_the_model_on_every_exit(tmp_path):
     export_dir = tmp_path / 'export'
     export_dir.mkdir()
     (export_dir / 'export.json').write_text(json.dumps(
-        dict(part='features', shape=[8, 8], dynamic=True, outputs=['p0'])))
+        dict(schema_version=1, part='features', task='detection', shape=[8, 8], dynamic=True,
+             outputs=['p0'])))
 
     class Tiny(BaseModel):
 
@@ -652,13 +658,98 @@ def test_runtime_backend_hook_restores_the_model_on_every_exit(tmp_path):
     assert vars(model)['extract_feat'] is own and hook._patched is None
 
 
+def whole_detector_info(**changes) -> dict:
+    """A valid ``export.json`` of a whole instance-segmentation model, with ``changes``."""
+    info = dict(schema_version=1, part='model', task='instance_segmentation',
+                outputs=['dets', 'labels', 'masks'], shape=[96, 96], dynamic=True,
+                pipeline=dict(resize=dict(scale=[96, 96], keep_ratio=True),
+                              mean=[123.675, 116.28, 103.53], std=[58.395, 57.12, 57.375],
+                              bgr_to_rgb=True, pad_size_divisor=32, pad_value=0.0, size=None),
+                classes=['person', 'car'], palette=None, mask_thr_binary=0.5,
+                checkpoint_sha256='ab' * 32)
+    info.update(changes)
+    return info
+
+
+def test_export_info_owner_writes_and_validates(tmp_path, capsys):
+    """``export.json`` has one owner: what it writes its reader takes back; a missing key, a
+    stale or absent ``schema_version``, a part that is not a whole model are errors naming
+    the key and the command to export again, for the writer (nothing is written), the
+    reader, ``RuntimeBackendHook`` and ``tools/test.py --backend``."""
+    from mmslab.deploy.export_info import (SCHEMA_VERSION, ExportInfoError, read_export_info,
+                                           write_export_info)
+    from mmslab.engine.hooks import RuntimeBackendHook
+    assert SCHEMA_VERSION == 1
+
+    good = tmp_path / 'good'
+    good.mkdir()
+    path = write_export_info(str(good), whole_detector_info(pipeline=dict(
+        whole_detector_info()['pipeline'], resize=dict(scale=96, keep_ratio=True))))
+    info = read_export_info(str(good), whole_model=True)
+    assert info['outputs'] == ['dets', 'labels', 'masks'] and info['schema_version'] == 1
+    assert info['pipeline']['resize']['scale'] == [96, 96]  # mmcv's Resize: s means (s, s)
+    with open(path) as f:
+        assert json.load(f)['schema_version'] == 1
+
+    def refused(info: dict, whole_model: bool = False, name: str = 'bad') -> str:
+        """The reader's message for ``info`` written by hand to ``tmp_path / name``, after
+        the writer refused it."""
+        bad = tmp_path / name
+        bad.mkdir(exist_ok=True)
+        (bad / 'export.json').unlink(missing_ok=True)
+        if info.get('schema_version') == SCHEMA_VERSION:  # the writer checks its schema
+            with pytest.raises(ExportInfoError):
+                write_export_info(str(bad), dict(info, part='model'))
+            assert not (bad / 'export.json').exists()
+        (bad / 'export.json').write_text(json.dumps(info))
+        with pytest.raises(ExportInfoError) as err:
+            read_export_info(str(bad), whole_model)
+        return str(err.value)
+
+    info = whole_detector_info()
+    del info['dynamic']
+    msg = refused(info)
+    assert "lacks the key 'dynamic'" in msg and 'export again with tools/export_onnx.py' in msg
+    info = whole_detector_info()
+    del info['pipeline']['size']
+    assert "lacks the key 'pipeline.size'" in refused(info, whole_model=True)
+    assert "lack masks" in refused(whole_detector_info(outputs=['dets', 'labels']))
+    assert 'classes must be a non-empty list' in refused(whole_detector_info(classes=[]), True)
+
+    old = whole_detector_info()
+    del old['schema_version']  # an export of the version before export.json had one
+    msg = refused(old, name='old')
+    assert 'records no schema_version' in msg and 'export again' in msg
+    msg = refused(whole_detector_info(schema_version=0))
+    assert 'schema_version 0; this mmslab reads 1' in msg and 'export again' in msg
+    assert 'update mmslab' not in msg
+    assert 'update mmslab' in refused(whole_detector_info(schema_version=2))
+    msg = refused(whole_detector_info(part='features', outputs=['p0']), True, 'features')
+    assert 'not a whole model' in msg and '--part model' in msg
+    # a part needs no pipeline: valid for the hook, which runs parts
+    assert read_export_info(str(tmp_path / 'features'))['part'] == 'features'
+    with pytest.raises(ExportInfoError, match='does not exist'):
+        read_export_info(str(tmp_path / 'nowhere'))
+
+    # the hook and tools/test.py --backend read through the owner
+    stale = str(tmp_path / 'old')
+    with pytest.raises(ExportInfoError, match='records no schema_version'):
+        RuntimeBackendHook(stale)
+    tool = load_tool('test')
+    args = tool.parse_args(['cfg.py', 'ckpt.pth', '--backend', 'onnxruntime', '--export-dir',
+                            stale])
+    from mmengine.config import Config
+    msg = exit_message(capsys, tool.setup_runtime_backend, Config(dict()), args, 'mmdet')
+    assert 'records no schema_version' in msg and 'export again' in msg
+
+
 def test_quantizer_ranges_must_be_finite():
     """``quantize_openvino`` hides NNCF's overflow warning (an empty tensor's statistics) and
     checks instead that every FakeQuantize range it produced is finite."""
     import openvino as ov
     import openvino.opset13 as ops
 
-    from mmslab.deploy.runtimes import check_quantizer_ranges
+    from mmslab.deploy.quantize import check_quantizer_ranges
 
     def model(high):
         x = ops.parameter([1, 4], np.float32)

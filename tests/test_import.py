@@ -12,8 +12,10 @@
   torch-free part imports; the PyTorch parts name what is missing. A partial install (mmseg
   missing beside PyTorch) is reported with a warning.
 """
+import ast
 import json
 import os
+import os.path as osp
 import subprocess
 import sys
 import textwrap
@@ -84,8 +86,11 @@ def test_without_torch_the_package_imports_its_torch_free_part(tmp_path):
         import sys
         import mmslab
         import mmslab.deploy.runtimes
-        from mmslab.deploy import predict
+        from mmslab.deploy import export_info, predict
         assert 'torch' not in sys.modules and 'mmengine' not in sys.modules
+        # the runtime layer never loads the export side (calibration, quantization, export)
+        assert 'mmslab.deploy.quantize' not in sys.modules
+        assert 'mmslab.deploy.onnx_export' not in sys.modules
         assert mmslab.deploy is sys.modules['mmslab.deploy']
         try:
             mmslab.reparameterize
@@ -107,3 +112,34 @@ def test_partial_install_is_reported(tmp_path):
         ''', blocked=('mmseg', ), tmp_path=tmp_path)
     assert 'RuntimeWarning: mmslab: mmseg cannot be imported' in proc.stderr, proc.stderr
     assert 'registers nothing with OpenMMLab' in proc.stderr
+
+
+def imported_modules(path: str) -> set:
+    """Every module a source file imports, at module level or inside a function, absolute
+    (``from .x import y`` in ``mmslab/deploy`` -> ``mmslab.deploy.x``)."""
+    package = osp.relpath(osp.dirname(path), REPO).replace(os.sep, '.')
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit('.', node.level - 1)[0] if node.level else ''
+            names.add('.'.join(p for p in (base, node.module) if p))
+    return names
+
+
+def test_no_import_runs_up_from_the_runtime_layer_and_utils_precision():
+    """docs/architecture.md's order: ``utils/precision`` (imported by the engine's hooks)
+    imports nothing of ``mmslab.deploy`` or ``mmslab.benchmark``; the runtime layer and
+    export.json's owner import nothing of the export side or of PyTorch / OpenMMLab."""
+    def imports(rel):
+        return imported_modules(osp.join(REPO, rel))
+
+    precision = imports('mmslab/utils/precision.py')
+    assert not {m for m in precision if m.startswith(('mmslab.deploy', 'mmslab.benchmark'))}
+    for rel in ('mmslab/deploy/runtimes.py', 'mmslab/deploy/predict.py'):
+        found = imports(rel)
+        assert not {m for m in found if m.split('.')[0] in ('torch', 'mmengine', 'mmdet',
+                                                            'mmseg', 'mmcv')}, (rel, found)
+        assert not {'mmslab.deploy.quantize', 'mmslab.deploy.onnx_export'} & found, rel
+    assert 'mmslab.deploy.export_info' in imports('mmslab/deploy/predict.py')

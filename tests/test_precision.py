@@ -52,11 +52,11 @@ def test_precision_arguments_and_errors_name_the_valid_choices(tmp_path, capsys)
     for extra in (['--precision', 'int8'], ['--int8']):  # INT8 is an exported artifact
         msg = exit_message(capsys, tool.parse_args, base + extra)
         assert 'needs --backend onnxruntime or openvino' in msg
-        assert 'Valid with --backend pytorch: fp32, bf16, auto' in msg
+        assert 'Valid with pytorch: fp32, bf16, auto' in msg
     msg = exit_message(capsys, tool.parse_args,
                        base + backend + ['onnxruntime', '--precision', 'bf16'])
     assert 'onnxruntime has no bf16 compute on x86 CPUs' in msg and 'NOT_IMPLEMENTED' in msg
-    assert 'Valid with --backend onnxruntime: fp32, int8, auto' in msg
+    assert 'Valid with onnxruntime: fp32, int8, auto' in msg
     msg = exit_message(capsys, tool.parse_args, base + ['--int8', '--precision', 'bf16'])
     assert 'contradicts --precision bf16' in msg
     msg = exit_message(capsys, tool.parse_args, base + ['--int8', '--bf16'])
@@ -73,21 +73,45 @@ def test_precision_arguments_and_errors_name_the_valid_choices(tmp_path, capsys)
     assert args.precision == 'auto'
 
 
-def test_runtime_precision_argument():
-    from mmslab.deploy.runtimes import (ORT_NO_BF16, artifact_path, check_runtime_precision,
+def test_one_precision_resolver():
+    """``resolve_precision`` is the one reading of ``precision`` and its short forms
+    ``int8`` / ``bf16`` (``--int8`` / ``--bf16``) for the predictor, tools/test.py, the hook
+    and the runtime layer; ``artifact_path`` takes a precision name, nothing else."""
+    from mmslab.deploy.runtimes import (ORT_NO_BF16, RUNTIME_PRECISIONS, artifact_path,
                                         resolve_precision)
     assert resolve_precision() == 'fp32'
     assert resolve_precision(int8=True) == resolve_precision('int8') == 'int8'
-    assert resolve_precision('bf16', bf16=True) == 'bf16'
-    with pytest.raises(ValueError, match='valid: fp32, bf16, int8'):
+    assert resolve_precision('bf16', bf16=True) == resolve_precision(bf16=True) == 'bf16'
+    assert resolve_precision('auto', auto=True) == 'auto'
+    assert resolve_precision('auto', runtime='onnxruntime', auto=True) == 'auto'
+    for runtime, valid in RUNTIME_PRECISIONS.items():
+        for precision in valid:
+            assert resolve_precision(precision, runtime=runtime) == precision
+    with pytest.raises(ValueError, match='valid: fp32, bf16, int8$'):
         resolve_precision('fp16')
-    with pytest.raises(ValueError, match="precision='fp32' contradicts int8=True"):
+    with pytest.raises(ValueError, match="unknown precision 'auto'; valid: fp32, bf16, int8"):
+        resolve_precision('auto')  # only where a caller measures it
+    with pytest.raises(ValueError, match='--int8 \\(int8=True\\) is short for --precision int8; '
+                       'it contradicts --precision fp32'):
         resolve_precision('fp32', int8=True)
-    with pytest.raises(ValueError, match='onnxruntime has no bf16'):
-        check_runtime_precision('onnxruntime', 'bf16')
-    assert check_runtime_precision('openvino', 'bf16') == 'bf16'
-    assert artifact_path('d', 'openvino', 'int8') == artifact_path('d', 'openvino', True)
-    assert artifact_path('d', 'openvino', 'bf16') == artifact_path('d', 'openvino', False)
+    with pytest.raises(ValueError, match='contradicts --precision auto'):
+        resolve_precision('auto', bf16=True, auto=True)
+    with pytest.raises(ValueError, match='exclude each other.*INT8 is its own precision'):
+        resolve_precision(int8=True, bf16=True)
+    with pytest.raises(ValueError, match='onnxruntime has no bf16.*Valid with onnxruntime: '
+                       'fp32, int8$'):
+        resolve_precision('bf16', runtime='onnxruntime')
+    with pytest.raises(ValueError, match='Valid with onnxruntime: fp32, int8, auto'):
+        resolve_precision(bf16=True, runtime='onnxruntime', auto=True)
+    with pytest.raises(ValueError, match="unknown runtime 'tensorrt'"):
+        resolve_precision('fp32', runtime='tensorrt')
+
+    assert artifact_path('d', 'openvino', 'int8') == 'd/openvino/model_int8.xml'
+    assert artifact_path('d', 'openvino', 'bf16') == artifact_path('d', 'openvino', 'fp32') \
+        == 'd/openvino/model.xml'
+    assert artifact_path('d', 'onnxruntime', 'int8') == 'd/model_int8.onnx'
+    with pytest.raises(ValueError, match='unknown precision True'):
+        artifact_path('d', 'openvino', True)  # a flag is not a precision
     assert 'mlas.enable_gemm_fastmath_arm64_bfloat16' in ORT_NO_BF16
 
 
@@ -169,17 +193,21 @@ class _TinyDetector(torch.nn.Module):
         return self.head(self.backbone(x))
 
 
-def test_predictor_precision_without_torch_errors(monkeypatch):
-    """The torch-free predictor's precision checks (its runs: test_predict_without_torch)."""
-    from mmslab.deploy.predict import PredictError, resolve_precision
-    assert resolve_precision('onnxruntime', None, int8=True) == 'int8'
+def test_predictor_precision_without_torch_errors(monkeypatch, tmp_path):
+    """The torch-free predictor reads its precision through the one resolver and turns its
+    refusals into a PredictError (its runs: test_predict_without_torch); OpenVINO bf16 on a
+    CPU without bf16 units is refused before the model is read."""
+    from mmslab.deploy.predict import PredictError, Predictor
+    from mmslab.deploy.runtimes import OpenVINOModel
     with pytest.raises(PredictError, match='onnxruntime has no bf16'):
-        resolve_precision('onnxruntime', 'bf16')
+        Predictor(str(tmp_path), 'onnxruntime', precision='bf16')
     with pytest.raises(PredictError, match='contradicts --precision bf16'):
-        resolve_precision('openvino', 'bf16', int8=True)
+        Predictor(str(tmp_path), 'openvino', int8=True, precision='bf16')
+    with pytest.raises(PredictError, match="unknown runtime 'tensorrt'"):
+        Predictor(str(tmp_path), 'tensorrt')
     monkeypatch.setattr(machine, 'cpu_flags', lambda: list(NO_BF16_FLAGS))
-    with pytest.raises(PredictError, match='avx512_bf16 or amx_bf16'):
-        resolve_precision('openvino', 'bf16')
+    with pytest.raises(RuntimeError, match='avx512_bf16 or amx_bf16'):
+        OpenVINOModel(str(tmp_path / 'not_read.xml'), bf16=True)
 
 
 # ----------------------------------------------------------------------------------------------

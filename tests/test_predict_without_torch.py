@@ -120,7 +120,8 @@ def write_export(out_dir: str, model: onnx.ModelProto, spec: dict) -> str:
 
 def det_spec() -> dict:
     return dict(
-        part='model', task='instance_segmentation', outputs=['dets', 'labels', 'masks'],
+        schema_version=1, part='model', task='instance_segmentation',
+        outputs=['dets', 'labels', 'masks'], shape=[192, 320], dynamic=True,
         pipeline=dict(resize=dict(scale=DET_SCALE, keep_ratio=True), mean=MEAN, std=STD,
                       bgr_to_rgb=True, pad_size_divisor=32, pad_value=0.0, size=None),
         classes=CLASSES, mask_thr_binary=0.5, checkpoint_sha256='ab' * 32, precision='fp32')
@@ -128,7 +129,8 @@ def det_spec() -> dict:
 
 def seg_spec(output: str) -> dict:
     return dict(
-        part='model', task='semantic_segmentation', outputs=[output],
+        schema_version=1, part='model', task='semantic_segmentation', outputs=[output],
+        shape=SEG_SIZE, dynamic=False,
         pipeline=dict(resize=dict(scale=SEG_SCALE, keep_ratio=False), mean=MEAN, std=STD,
                       bgr_to_rgb=True, pad_size_divisor=None, pad_value=0.0, size=SEG_SIZE),
         classes=SEG_CLASSES, palette=[[0, 0, 0], [255, 0, 0], [0, 0, 255], [0, 255, 0]])
@@ -334,6 +336,11 @@ def broken_export(data, tmp_path, change) -> str:
     (lambda s: s.update(part='features'), 'not a whole model'),
     (lambda s: s.update(task='panoptic'), "unknown task 'panoptic'"),
     (lambda s: s.update(outputs=['dets', 'labels']), 'lack masks'),
+    # an export written before export.json had a schema version, and a stale one
+    (lambda s: s.pop('schema_version'), 'records no schema_version: it was written before '
+     'export.json had one (or by hand); export again with tools/export_onnx.py'),
+    (lambda s: s.update(schema_version=0), 'schema_version 0; this mmslab reads 1: export '
+     'again with tools/export_onnx.py'),
 ])
 def test_bad_export_json(data, tmp_path, change, message):
     proc = predict(data, broken_export(data, tmp_path, change), tmp_path / 'out')
@@ -360,7 +367,7 @@ def test_precision_bf16(data, tmp_path):
     assert 'Traceback' not in proc.stderr
     proc = predict(data, data['det'], tmp_path / 'ort', '--precision', 'bf16')
     assert proc.returncode != 0 and 'onnxruntime has no bf16' in proc.stderr
-    assert 'Valid with --runtime onnxruntime: fp32, int8' in proc.stderr
+    assert 'Valid with onnxruntime: fp32, int8' in proc.stderr
     assert 'Traceback' not in proc.stderr
     proc = predict(data, data['det'], tmp_path / 'x', '--precision', 'fp16')
     assert proc.returncode != 0 and "invalid choice: 'fp16'" in proc.stderr

@@ -24,15 +24,15 @@ The model is fused with ``mmslab.reparameterize``. Written to DIR: ``model.onnx`
 ``openvino/model.xml``; with ``--int8`` ``model_int8.onnx`` (onnxruntime static QDQ) and
 ``openvino/model_int8.xml`` (NNCF), both calibrated on ``--calib-images`` images of the
 training set through the test pipeline, the data preprocessor and the export's padding;
-``export.json`` (see ``mmslab/deploy/export_info.py``): what was exported from which
-checkpoint (SHA-256), the pre-processing, parity of each fp32 runtime against the fused
-PyTorch model on test images (required; several sizes and both orientations for dynamic
-exports), and the INT8 deviation on ``--eval-images`` test images not used for calibration;
+``export.json`` (written and validated by ``mmslab/deploy/export_info.py``): what was
+exported from which checkpoint (SHA-256), the pre-processing, parity of each fp32 runtime
+against the fused PyTorch model on test images (required; several sizes and both
+orientations for dynamic exports), and the INT8 deviation on ``--eval-images`` test images
+not used for calibration;
 on CPUs with bf16 units also OpenVINO bf16's deviation (``bf16_on_test_images``: the fp32 IR
 run with ``INFERENCE_PRECISION_HINT=bf16``, as ``tools/test.py --precision bf16`` runs it).
 """
 import argparse
-import json
 import os
 import os.path as osp
 import time
@@ -44,17 +44,18 @@ from mmengine.logging import print_log
 from mmengine.utils import ProgressBar
 
 import mmslab
-from mmslab.deploy import (PARTS, RUNTIMES, ExportWrapper, artifact_path, calibration_images,
-                           convert_to_openvino, export_onnx, load_runtime_model,
-                           quantize_onnxruntime, quantize_openvino, torch_outputs)
 from mmslab.deploy.compare import FP32_TOLERANCE, compare_outputs, within_fp32_tolerance
-from mmslab.deploy.export_info import (dataset_meta, deploy_pipeline, file_sha256, is_segmentor,
-                                       model_config_sha256, runtime_versions, task_of)
-from mmslab.deploy.onnx_export import DEFAULT_ATTENTION_LAYOUT, onnx_size_mb
-from mmslab.deploy.runtimes import preprocessed_images
+from mmslab.deploy.export_info import (is_segmentor, new_export_info, task_of,
+                                       write_export_info)
+from mmslab.deploy.onnx_export import (DEFAULT_ATTENTION_LAYOUT, PARTS, ExportWrapper,
+                                       export_onnx, onnx_size_mb, torch_outputs)
+from mmslab.deploy.quantize import (calibration_images, preprocessed_images,
+                                    quantize_onnxruntime, quantize_openvino)
+from mmslab.deploy.runtimes import (RUNTIMES, artifact_path, convert_to_openvino,
+                                    load_runtime_model)
 from mmslab.models.layers.window_attention import ATTENTION_LAYOUTS, attention_layout_report
 from mmslab.utils.launch import build_model_from_config, load_config
-from mmslab.utils.machine import has_bf16, machine_info
+from mmslab.utils.machine import has_bf16
 
 
 def parse_args(argv=None):
@@ -173,9 +174,9 @@ def measure_latency(model, part, args) -> dict:
         if part != 'features' else (lambda: model.extract_feat(inputs))
     fns = {'eager fp32': eager}
     for runtime in args.runtime:
-        for int8 in ([False, True] if args.int8 else [False]):
-            m = load_runtime_model(args.out, runtime, int8, args.threads or 0)
-            fns[f"{runtime} {'int8' if int8 else 'fp32'}"] = lambda m=m: m(image)
+        for precision in (['fp32', 'int8'] if args.int8 else ['fp32']):
+            m = load_runtime_model(args.out, runtime, precision, args.threads or 0)
+            fns[f'{runtime} {precision}'] = lambda m=m: m(image)
     bar = ProgressBar(len(fns) * args.repeat)
     times = measure_interleaved(fns, args.repeat, 1, bar.update)
     print()
@@ -208,24 +209,14 @@ def main(argv=None):
     names = export_onnx(model, part, shape, onnx_path, dynamic=args.dynamic,
                         seg_argmax=args.seg_argmax, attention=args.attention)
     export_s = time.perf_counter() - t0
-    task = task_of(model)
-    # (digest of the config as written: building a model mutates some of its sections)
-    report = dict(config=args.config,
-                  model_config_sha256=model_config_sha256(
-                      load_config(args.config, args.cfg_options)[0]),
-                  checkpoint=args.checkpoint, random_weights=bool(args.random_weights),
-                  checkpoint_sha256=file_sha256(args.checkpoint) if args.checkpoint else None,
-                  part=part, task=task, outputs=names, shape=list(shape),
-                  dynamic=bool(args.dynamic), seg_argmax=bool(args.seg_argmax),
-                  attention=attention_layout_report(model, args.attention),
-                  precisions=['fp32'] + (['int8'] if args.int8 else []),
-                  pipeline=deploy_pipeline(cfg), **dataset_meta(cfg),
-                  versions=runtime_versions(), machine=machine_info(),
-                  tolerance=FP32_TOLERANCE, export_seconds=round(export_s, 1), runtimes={})
-    if not args.dynamic:  # callers pad every image to the static size
-        report['pipeline']['size'] = list(shape)
-    if task == 'instance_segmentation':
-        report['mask_thr_binary'] = float(cfg.model.test_cfg.rcnn.get('mask_thr_binary', 0.5))
+    # (the model section's digest is of the config as written: building a model mutates it)
+    report = new_export_info(
+        cfg, load_config(args.config, args.cfg_options)[0], config=args.config,
+        checkpoint=args.checkpoint, part=part, task=task_of(model), outputs=names,
+        shape=shape, dynamic=args.dynamic, seg_argmax=args.seg_argmax,
+        attention=attention_layout_report(model, args.attention),
+        precisions=['fp32'] + (['int8'] if args.int8 else []), tolerance=FP32_TOLERANCE,
+        export_seconds=round(export_s, 1), runtimes={})
     report['onnx_mb'] = onnx_size_mb(onnx_path)
 
     if 'openvino' in args.runtime:
@@ -240,10 +231,11 @@ def main(argv=None):
                               'transformer preset); depth-wise convs, attention products, '
                               'softmax, norms, NMS, RoIAlign stay float')
         if 'onnxruntime' in args.runtime:
-            quantize_onnxruntime(onnx_path, artifact_path(args.out, 'onnxruntime', True), calib)
+            quantize_onnxruntime(onnx_path, artifact_path(args.out, 'onnxruntime', 'int8'),
+                                 calib)
         if 'openvino' in args.runtime:
-            quantize_openvino(artifact_path(args.out, 'openvino', False),
-                              artifact_path(args.out, 'openvino', True), calib)
+            quantize_openvino(artifact_path(args.out, 'openvino', 'fp32'),
+                              artifact_path(args.out, 'openvino', 'int8'), calib)
 
     images, source = test_images(cfg, model, args, shape)
     report['parity_images'] = dict(source=source,
@@ -253,7 +245,7 @@ def main(argv=None):
     failures = []
     for runtime in args.runtime:
         entry = report['runtimes'].setdefault(runtime, {})
-        fp32 = load_runtime_model(args.out, runtime, False, args.threads or 0)
+        fp32 = load_runtime_model(args.out, runtime, 'fp32', args.threads or 0)
         entry['fp32'] = {}
         for i, (im, ref) in enumerate(zip(images, refs)):
             record = compare_outputs(names, ref, fp32(im))
@@ -262,28 +254,26 @@ def main(argv=None):
                 failures.append(f'{runtime} fp32 on image {size_key(im, i)}: {record}')
         bar.update()
         if args.int8:
-            int8 = load_runtime_model(args.out, runtime, True, args.threads or 0)
+            int8 = load_runtime_model(args.out, runtime, 'int8', args.threads or 0)
             entry['int8_on_test_images'] = {
                 size_key(im, i): compare_outputs(names, ref, int8(im))
                 for i, (im, ref) in enumerate(zip(images, refs))}
             bar.update()
         if runtime == 'openvino' and has_bf16():  # bf16 computes the fp32 IR: its deviation
-            bf16 = load_runtime_model(args.out, runtime, threads=args.threads or 0,
-                                      precision='bf16')
+            bf16 = load_runtime_model(args.out, runtime, 'bf16', args.threads or 0)
             entry['bf16_on_test_images'] = {
                 size_key(im, i): compare_outputs(names, ref, bf16(im))
                 for i, (im, ref) in enumerate(zip(images, refs))}
     print()
     if args.latency:
         report['latency'] = measure_latency(model, part, args)
-    with open(osp.join(args.out, 'export.json'), 'w') as f:
-        json.dump(report, f, indent=2)
+    info_path = write_export_info(args.out, report)
     for runtime, entry in report['runtimes'].items():
         for precision in ('fp32', 'int8_on_test_images', 'bf16_on_test_images'):
             for size, record in entry.get(precision, {}).items():
                 print(f'{runtime:12s} {precision[:4]} {size:>14s} ' +
                       ', '.join(f'{k} {v:.4g}' for k, v in record.items()))
-    print(f"wrote {onnx_path} ({report['onnx_mb']:.1f} MB) and {osp.join(args.out, 'export.json')}")
+    print(f"wrote {onnx_path} ({report['onnx_mb']:.1f} MB) and {info_path}")
     if failures:
         raise SystemExit('error: the exported model differs from the fused PyTorch model: ' +
                          '; '.join(failures))

@@ -61,19 +61,15 @@ from mmengine.runner import Runner
 
 import mmslab  # noqa: F401  (registers mmslab's components)
 import mmslab.engine  # noqa: F401  (weights-only checkpoint loading for mmengine)
-from mmslab.deploy.runtimes import ORT_NO_BF16
+from mmslab.deploy.runtimes import PRECISIONS, RUNTIMES, resolve_precision
 from mmslab.utils import DataNotFoundError, check_data_root
 from mmslab.utils.launch import (add_launcher_args, export_local_rank, load_config,
                                  set_work_dir, setup_cpu_distributed,
                                  teardown_cpu_distributed)
 
 METRICS_PREFIX = 'mmslab-test-metrics: '
-BACKENDS = ('pytorch', 'onnxruntime', 'openvino')
-PRECISIONS = ('fp32', 'bf16', 'int8', 'auto')
-#: What each backend computes in (onnxruntime: no bf16 on x86, see ORT_NO_BF16).
-BACKEND_PRECISIONS = dict(pytorch=('fp32', 'bf16', 'auto'),
-                          onnxruntime=('fp32', 'int8', 'auto'),
-                          openvino=('fp32', 'bf16', 'int8', 'auto'))
+BACKENDS = ('pytorch', ) + RUNTIMES
+PRECISION_CHOICES = PRECISIONS + ('auto', )
 
 
 def parse_args(argv=None):
@@ -101,7 +97,7 @@ def parse_args(argv=None):
     parser.add_argument('--backend', choices=BACKENDS, default='pytorch',
                         help='run the exported model part in this runtime (needs --export-dir)')
     parser.add_argument('--export-dir', help='directory written by tools/export_onnx.py --out')
-    parser.add_argument('--precision', choices=PRECISIONS, default=None,
+    parser.add_argument('--precision', choices=PRECISION_CHOICES, default=None,
                         help='fp32 (default); bf16: PyTorch autocast or OpenVINO bf16 (CPUs '
                         'with avx512_bf16 / amx_bf16); int8: the INT8 artifact (needs '
                         '--backend); auto: the faster of fp32 and bf16, measured here')
@@ -130,23 +126,19 @@ def parse_args(argv=None):
 
 
 def resolve_precision_args(parser, args) -> None:
-    """``args.precision`` from ``--precision`` and its short forms ``--int8`` / ``--bf16``,
-    checked against the backend (an error names the valid choices)."""
-    flags = [p for p in ('int8', 'bf16') if getattr(args, p)]
-    if len(flags) > 1:
-        parser.error('--int8 and --bf16 exclude each other (one --precision)')
-    if flags and args.precision not in (None, flags[0]):
-        parser.error(f'--{flags[0]} is short for --precision {flags[0]}; it contradicts '
-                     f'--precision {args.precision}')
-    args.precision = args.precision or (flags[0] if flags else 'fp32')
-    valid = BACKEND_PRECISIONS[args.backend]
-    if args.precision not in valid:
-        if args.precision == 'int8':
-            why = ('INT8 is an exported artifact: --precision int8 needs --backend onnxruntime '
-                   'or openvino --export-dir DIR (tools/export_onnx.py --int8)')
-        else:
-            why = f'--precision bf16 with --backend onnxruntime: {ORT_NO_BF16}'
-        parser.error(f'{why}. Valid with --backend {args.backend}: {", ".join(valid)}')
+    """``args.precision`` from ``--precision`` and its short forms ``--int8`` / ``--bf16``
+    (:func:`mmslab.deploy.runtimes.resolve_precision`), checked against the backend (an
+    error names the valid choices)."""
+    runtime = None if args.backend == 'pytorch' else args.backend
+    try:
+        args.precision = resolve_precision(args.precision, args.int8, args.bf16, runtime,
+                                           auto=True)
+    except ValueError as err:
+        parser.error(str(err))
+    if runtime is None and args.precision == 'int8':
+        parser.error('INT8 is an exported artifact: --precision int8 needs --backend '
+                     'onnxruntime or openvino --export-dir DIR (tools/export_onnx.py --int8). '
+                     'Valid with pytorch: fp32, bf16, auto')
     args.int8, args.bf16 = args.precision == 'int8', args.precision == 'bf16'
 
 

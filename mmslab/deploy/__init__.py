@@ -1,21 +1,30 @@
 """Deployment: ONNX export of fused models, onnxruntime / OpenVINO runtimes, INT8, and a
 torch-free predictor (``python -m mmslab.deploy.predict``).
 
-The export helpers (``onnx_export``) need PyTorch; they are imported on first use (PEP 562
-module ``__getattr__``) so that ``runtimes`` and ``predict`` import without it.
-``from mmslab.deploy import export_onnx`` works as before.
+* ``export_info``: ``export.json``, its one writer and validator (standard library only);
+* ``runtimes``: the runtime layer, opening an exported model in onnxruntime / OpenVINO at a
+  precision (numpy only at import; the predictor's and ``tools/test.py --backend``'s);
+* ``onnx_export`` (PyTorch) and ``quantize`` (calibration and INT8, needing the model): the
+  export side, imported on first use (PEP 562 module ``__getattr__``), so that ``runtimes``
+  and ``predict`` import without PyTorch. ``from mmslab.deploy import export_onnx`` works as
+  before.
 """
 import importlib
 
-from .runtimes import (RUNTIMES, artifact_path, calibration_images, convert_to_openvino,
-                       load_runtime_model, quantize_onnxruntime, quantize_openvino)
+from .runtimes import (PRECISIONS, RUNTIMES, artifact_path, convert_to_openvino,
+                       load_runtime_model, open_model, resolve_precision)
 
-_LAZY = {name: 'onnx_export' for name in
-         ('PARTS', 'ExportWrapper', 'export_onnx', 'max_relative_error', 'torch_outputs')}
+_LAZY = dict(
+    **{name: 'onnx_export' for name in
+       ('PARTS', 'ExportWrapper', 'export_onnx', 'max_relative_error', 'torch_outputs')},
+    **{name: 'quantize' for name in
+       ('calibration_images', 'preprocessed_images', 'quantize_onnxruntime',
+        'quantize_openvino')})
 
-__all__ = ['PARTS', 'RUNTIMES', 'ExportWrapper', 'artifact_path', 'calibration_images',
-           'convert_to_openvino', 'export_onnx', 'load_runtime_model', 'max_relative_error',
-           'quantize_onnxruntime', 'quantize_openvino', 'torch_outputs']
+__all__ = ['PARTS', 'PRECISIONS', 'RUNTIMES', 'ExportWrapper', 'artifact_path',
+           'calibration_images', 'convert_to_openvino', 'export_onnx', 'load_runtime_model',
+           'max_relative_error', 'open_model', 'preprocessed_images', 'quantize_onnxruntime',
+           'quantize_openvino', 'resolve_precision', 'torch_outputs']
 
 
 def __getattr__(name: str):

@@ -19,8 +19,9 @@ mmdet's / mmseg's rescaling to the original image.
 amx_bf16; refused elsewhere and for onnxruntime, which has no bf16 on x86 CPUs) the fp32
 model with OpenVINO's ``INFERENCE_PRECISION_HINT=bf16``.
 
-export.json contract (the keys read here; any other key, e.g. ``checkpoint_sha256`` or
-``precision``, is printed and not required):
+export.json contract, checked by its owner :mod:`mmslab.deploy.export_info` (the keys read
+here; ``schema_version``, ``shape`` and ``dynamic`` are required of every export and any
+other key, e.g. ``checkpoint_sha256``, is printed and not required):
 
 * ``part``: ``"model"``. ``backbone`` / ``features`` exports end before the heads (no boxes,
   no masks, no labels) and are refused.
@@ -66,17 +67,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import cv2
 import numpy as np
 
-from .runtimes import PRECISIONS, RUNTIMES, artifact_path, check_runtime_precision
+from .export_info import TASK_OUTPUTS, ExportInfoError, read_export_info
+from .runtimes import PRECISIONS, RUNTIMES, load_runtime_model, resolve_precision
 
-TASK_OUTPUTS = {
-    'detection': ('dets', 'labels'),
-    'instance_segmentation': ('dets', 'labels', 'masks'),
-    'semantic_segmentation': (),  # seg_logits or seg_label, checked separately
-}
-PIPELINE_KEYS = ('resize', 'mean', 'std', 'bgr_to_rgb', 'pad_size_divisor', 'pad_value', 'size')
+#: The keys of the whole-model contract (module docstring); the others are printed.
 CONTRACT_KEYS = ('part', 'task', 'outputs', 'pipeline', 'classes', 'palette',
                  'mask_thr_binary', 'align_corners')
-EXPORT_HINT = 'tools/export_onnx.py CONFIG CHECKPOINT --part model --out {dir}'
 
 
 class PredictError(Exception):
@@ -89,66 +85,18 @@ class PredictError(Exception):
 # ----------------------------------------------------------------------------------------------
 
 def load_export(export_dir: str) -> dict:
-    """Read and check ``EXPORT_DIR/export.json`` (see the module docstring)."""
-    if not osp.isdir(export_dir):
-        raise PredictError(f'export directory {export_dir} does not exist; write it with '
-                           + EXPORT_HINT.format(dir=export_dir))
-    path = osp.join(export_dir, 'export.json')
-    if not osp.isfile(path):
-        raise PredictError(f'{path} does not exist; write the export with '
-                           + EXPORT_HINT.format(dir=export_dir))
+    """``EXPORT_DIR/export.json`` validated as a whole model
+    (:func:`~mmslab.deploy.export_info.read_export_info`), with the optional keys' defaults:
+    ``task``, ``outputs``, ``pipeline``, ``classes``, ``palette`` (``[K, 3]`` uint8),
+    ``mask_thr_binary``, ``align_corners`` and ``extra`` (the other keys)."""
     try:
-        with open(path) as f:
-            spec = json.load(f)
-    except json.JSONDecodeError as err:
-        raise PredictError(f'{path} is not valid JSON: {err}')
-    if not isinstance(spec, dict):
-        raise PredictError(f'{path} must hold a JSON object')
-
-    def require(obj: dict, key: str, what: str, where: str = ''):
-        if key not in obj:
-            raise PredictError(f"{path} lacks the key '{where}{key}' ({what})")
-        return obj[key]
-
-    part = require(spec, 'part', '"model" for a whole-model export')
-    if part != 'model':
-        raise PredictError(
-            f'{path}: part is {part!r}, not "model": a {part} export ends before the heads '
-            '(no boxes, masks or labels), it is not a whole model and cannot predict; export '
-            'the whole model with ' + EXPORT_HINT.format(dir=export_dir))
-    task = require(spec, 'task', ' | '.join(TASK_OUTPUTS))
-    if task not in TASK_OUTPUTS:
-        raise PredictError(f'{path}: unknown task {task!r}; known: {", ".join(TASK_OUTPUTS)}')
-    outputs = require(spec, 'outputs', 'the output names in order')
-    if not (isinstance(outputs, list) and all(isinstance(o, str) for o in outputs)):
-        raise PredictError(f'{path}: outputs must be a list of names, got {outputs!r}')
-    needed = TASK_OUTPUTS[task]
-    missing = [o for o in needed if o not in outputs]
-    if task == 'semantic_segmentation' and not {'seg_logits', 'seg_label'} & set(outputs):
-        missing = ['seg_logits or seg_label']
-    if missing:
-        raise PredictError(f'{path}: outputs {outputs} lack {", ".join(missing)}, needed by '
-                           f'task {task}')
-
-    pipeline = require(spec, 'pipeline', 'pre-processing: ' + ', '.join(PIPELINE_KEYS))
-    if not isinstance(pipeline, dict):
-        raise PredictError(f'{path}: pipeline must be an object')
-    for key in PIPELINE_KEYS:
-        require(pipeline, key, 'null allowed' if key in ('resize', 'size', 'pad_size_divisor')
-                else 'see mmslab/deploy/predict.py', 'pipeline.')
-    check_pipeline(pipeline, path)
-
-    classes = require(spec, 'classes', 'the class names')
-    if not (isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes)):
-        raise PredictError(f'{path}: classes must be a non-empty list of names')
-    palette = spec.get('palette')
-    if palette is not None and not (
-            isinstance(palette, list) and
-            all(isinstance(c, list) and len(c) == 3 for c in palette)):
-        raise PredictError(f'{path}: palette must be a list of [r, g, b]')
+        spec = read_export_info(export_dir, whole_model=True)
+    except ExportInfoError as err:
+        raise PredictError(str(err)) from None
+    classes = spec['classes']
     return dict(
-        task=task, outputs=outputs, pipeline=pipeline, classes=classes,
-        palette=make_palette(len(classes), palette),
+        task=spec['task'], outputs=spec['outputs'], pipeline=spec['pipeline'], classes=classes,
+        palette=make_palette(len(classes), spec.get('palette')),
         mask_thr_binary=float(_default(spec.get('mask_thr_binary'), 0.5)),
         align_corners=bool(spec.get('align_corners') or False),
         extra={k: v for k, v in spec.items() if k not in CONTRACT_KEYS})
@@ -156,36 +104,6 @@ def load_export(export_dir: str) -> dict:
 
 def _default(value, default):
     return default if value is None else value
-
-
-def check_pipeline(p: dict, path: str) -> None:
-    def bad(msg):
-        raise PredictError(f'{path}: pipeline.{msg}')
-
-    resize = p['resize']
-    if resize is not None:
-        if not (isinstance(resize, dict) and 'scale' in resize and
-                isinstance(resize.get('keep_ratio'), bool)):
-            bad('resize must be null or {"scale": [a, b], "keep_ratio": bool}')
-        scale = resize['scale']
-        if isinstance(scale, (int, float)):
-            scale = [scale, scale]  # mmcv's Resize: scale=s means (s, s)
-        if not (isinstance(scale, list) and len(scale) == 2 and min(scale) > 0):
-            bad(f'resize.scale must be two positive numbers, got {resize["scale"]!r}')
-        resize['scale'] = scale
-    for key in ('mean', 'std'):
-        if not (isinstance(p[key], list) and len(p[key]) == 3):
-            bad(f'{key} must be 3 numbers, got {p[key]!r}')
-    if min(abs(s) for s in p['std']) == 0:
-        bad('std must be non-zero')
-    if not isinstance(p['bgr_to_rgb'], bool):
-        bad(f'bgr_to_rgb must be true or false, got {p["bgr_to_rgb"]!r}')
-    if not isinstance(p['pad_value'], (int, float)):
-        bad(f'pad_value must be a number, got {p["pad_value"]!r}')
-    if p['size'] is not None and not (isinstance(p['size'], list) and len(p['size']) == 2):
-        bad(f'size must be null or [h, w], got {p["size"]!r}')
-    if p['pad_size_divisor'] is not None and int(p['pad_size_divisor']) < 1:
-        bad('pad_size_divisor must be >= 1 or null')
 
 
 def make_palette(num: int, given: Optional[list] = None) -> np.ndarray:
@@ -253,93 +171,6 @@ def preprocess(image: np.ndarray, pipeline: dict) -> Tuple[np.ndarray, dict]:
     meta = dict(ori_shape=(h, w), img_shape=(nh, nw), pad_shape=(ph, pw),
                 scale_factor=(nw / w, nh / h))
     return batch, meta
-
-
-# ----------------------------------------------------------------------------------------------
-# runtimes
-# ----------------------------------------------------------------------------------------------
-
-class OnnxRuntimeRunner:
-    """onnxruntime session on the CPU; ``__call__(x, names) -> {name: array}``."""
-
-    def __init__(self, path: str, threads: int = 0):
-        import onnxruntime as ort
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(path, opts, providers=['CPUExecutionProvider'])
-        inputs = self.session.get_inputs()
-        if len(inputs) != 1:
-            raise PredictError(f'{path} has {len(inputs)} inputs; expected one image input')
-        self.input_name = inputs[0].name
-        shape = inputs[0].shape or [None] * 4
-        self.input_hw = tuple(d if isinstance(d, int) else None for d in shape[-2:])
-        self.output_names = [o.name for o in self.session.get_outputs()]
-
-    def __call__(self, x: np.ndarray, names: Sequence[str]) -> Dict[str, np.ndarray]:
-        return dict(zip(names, self.session.run(list(names), {self.input_name: x})))
-
-
-class OpenVINORunner:
-    """OpenVINO compiled for the CPU, latency hint, fp32 arithmetic (on CPUs with bf16
-    units OpenVINO otherwise computes in bf16) unless ``bf16``; INT8 models keep their int8
-    layers."""
-
-    def __init__(self, path: str, threads: int = 0, bf16: bool = False):
-        import openvino as ov
-        config = {'PERFORMANCE_HINT': 'LATENCY',
-                  'INFERENCE_PRECISION_HINT': 'bf16' if bf16 else 'f32'}
-        if threads:
-            config['INFERENCE_NUM_THREADS'] = threads
-        self.compiled = ov.Core().compile_model(path, 'CPU', config)
-        if len(self.compiled.inputs) != 1:
-            raise PredictError(f'{path} has {len(self.compiled.inputs)} inputs; expected one '
-                               'image input')
-        dims = list(self.compiled.input(0).get_partial_shape())
-        self.input_hw = tuple(d.get_length() if d.is_static else None for d in dims[-2:])
-        self.output_names = sorted({n for o in self.compiled.outputs for n in o.get_names()})
-        self.request = self.compiled.create_infer_request()
-
-    def __call__(self, x: np.ndarray, names: Sequence[str]) -> Dict[str, np.ndarray]:
-        results = self.request.infer({0: x})
-        # copies: the request reuses its output buffers on the next call
-        return {n: np.array(results[self.compiled.output(n)]) for n in names}
-
-
-RUNNERS = dict(onnxruntime=OnnxRuntimeRunner, openvino=OpenVINORunner)
-
-
-def resolve_precision(runtime: str, precision: Optional[str], int8: bool = False) -> str:
-    """The precision to run (``--int8`` is ``--precision int8``); a :class:`PredictError`
-    says why a runtime or this CPU cannot run it."""
-    if precision is not None and precision not in PRECISIONS:
-        raise PredictError(f'unknown precision {precision!r}; valid: {", ".join(PRECISIONS)}')
-    if int8 and precision not in (None, 'int8'):
-        raise PredictError(f'--int8 is short for --precision int8; it contradicts '
-                           f'--precision {precision}')
-    precision = 'int8' if int8 else precision or 'fp32'
-    try:
-        check_runtime_precision(runtime, precision)
-    except ValueError as err:
-        raise PredictError(f'{err}. Valid with --runtime {runtime}: fp32, int8') from None
-    if precision == 'bf16':
-        from ..utils.machine import require_bf16  # torch-free: /proc/cpuinfo flags
-        try:
-            require_bf16('OpenVINO bf16')
-        except RuntimeError as err:
-            raise PredictError(str(err)) from None
-    return precision
-
-
-def model_path(export_dir: str, runtime: str, int8: bool) -> str:
-    """The artifact of ``runtime`` (fp32 or INT8), with the export flags that write it."""
-    path = artifact_path(export_dir, runtime, int8)
-    if not osp.isfile(path):
-        what = ('INT8 ' if int8 else '') + runtime
-        flags = f' --runtime {runtime}' + (' --int8' if int8 else '')
-        raise PredictError(f'no {what} model at {path}; write it with '
-                           + EXPORT_HINT.format(dir=export_dir) + flags)
-    return path
 
 
 # ----------------------------------------------------------------------------------------------
@@ -505,21 +336,18 @@ class Predictor:
 
     def __init__(self, export_dir: str, runtime: str = 'onnxruntime', int8: bool = False,
                  threads: int = 0, precision: Optional[str] = None):
-        if runtime not in RUNTIMES:
-            raise PredictError(f'unknown runtime {runtime!r}; valid: {", ".join(RUNTIMES)}')
-        self.precision = resolve_precision(runtime, precision, int8)
-        self.spec = load_export(export_dir)
-        self.task = self.spec['task']
-        self.runtime, self.int8 = runtime, self.precision == 'int8'
-        self.path = model_path(export_dir, runtime, self.int8)
-        if runtime == 'openvino':
-            self.runner = OpenVINORunner(self.path, threads, bf16=self.precision == 'bf16')
-        else:
-            self.runner = RUNNERS[runtime](self.path, threads)
-        missing = [n for n in self.spec['outputs'] if n not in self.runner.output_names]
+        try:
+            self.precision = resolve_precision(precision, int8, runtime=runtime)
+            self.spec = load_export(export_dir)
+            self.model = load_runtime_model(export_dir, runtime, self.precision, threads)
+        except (ValueError, OSError, RuntimeError) as err:  # no bf16 units: RuntimeError
+            raise PredictError(str(err)) from None
+        self.task, self.runtime = self.spec['task'], runtime
+        self.int8, self.path = self.precision == 'int8', self.model.path
+        missing = [n for n in self.spec['outputs'] if n not in self.model.output_names]
         if missing:
             raise PredictError(f'{self.path} has no output {", ".join(missing)} (its outputs: '
-                               f'{", ".join(self.runner.output_names)}); export.json and '
+                               f'{", ".join(self.model.output_names)}); export.json and '
                                'the model disagree')
         known = set(TASK_OUTPUTS[self.task]) | {'seg_logits', 'seg_label'}
         # seg_logits wins when both are exported: mmseg's own post-processing
@@ -529,7 +357,7 @@ class Predictor:
 
     def __call__(self, image: np.ndarray, score_thr: float = 0.3) -> dict:
         x, meta = preprocess(image, self.spec['pipeline'])
-        fixed = self.runner.input_hw
+        fixed = self.model.input_hw
         if any(f is not None and f != s for f, s in zip(fixed, x.shape[-2:])):
             raise PredictError(
                 f'the model input is fixed at {fixed[0]}x{fixed[1]} but this image '
@@ -537,7 +365,7 @@ class Predictor:
                 'produce that shape (pipeline.size, or a resize without keep_ratio), or '
                 'export the model with --dynamic')
         start = time.perf_counter()
-        outputs = self.runner(x, self.fetch)
+        outputs = self.model.run(x, self.fetch)
         latency_ms = (time.perf_counter() - start) * 1e3
         result = dict(task=self.task, meta=meta, latency_ms=latency_ms)
         if self.task == 'semantic_segmentation':

@@ -7,7 +7,9 @@ or ``auto`` (the faster of fp32 and bf16, measured on the machine at hand).
   ``torch.autocast(device, dtype)`` and hand float32 tensors back, so everything between
   and after them (box decoding, NMS, RoIAlign, mask pasting, the resize of the logits)
   computes in float32, as in an fp32 run;
-* runtimes: see :mod:`mmslab.deploy.runtimes` (OpenVINO ``INFERENCE_PRECISION_HINT``);
+* runtimes: see :mod:`mmslab.deploy.runtimes` (OpenVINO ``INFERENCE_PRECISION_HINT``), whose
+  ``resolve_precision`` reads the precision arguments of the tools (this module imports
+  nothing of ``mmslab.deploy`` or ``mmslab.benchmark``: the engine's hooks import it);
 * ``auto`` (:func:`auto_precision`) times fp32 and, where the CPU computes bf16 natively,
   bf16 on a real preprocessed batch and keeps bf16 only if it is at least
   ``AUTO_MARGIN`` times faster. It never chooses INT8: INT8 changes the model (its
@@ -18,10 +20,6 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from mmslab.deploy.runtimes import PRECISIONS  # ('fp32', 'bf16', 'int8')
-
-#: What a model can be evaluated in; ``auto`` chooses between fp32 and bf16.
-CHOICES = PRECISIONS + ('auto', )
 #: Autocast precisions of eager PyTorch timing (``tools/benchmark.py --precisions``,
 #: ``benchmarks/backbone_speed.py``, ``ReparamEvalHook(precision=...)``): name -> dtype.
 PRECISION_DTYPES = dict(fp32=None, fp16=torch.float16, bf16=torch.bfloat16)
@@ -273,14 +271,23 @@ def auto_precision(candidates: Dict[str, Callable[[], object]], bf16_available: 
     CPU without bf16 units or onnxruntime); with fp32 alone nothing is timed. Returns the
     record written to ``metrics.json``: ``choice``, ``times_ms`` (medians), ``candidates``,
     ``warmup``, ``repeat``, ``margin`` and ``reason``."""
-    from mmslab.benchmark import measure_interleaved
-    from mmslab.utils.timing import latency_stats
+    from mmslab.utils.timing import latency_stats, timed_ms
     names = ['fp32'] + (['bf16'] if bf16_available and 'bf16' in candidates else [])
     record = dict(candidates=names, warmup=warmup, repeat=repeat, margin=margin, times_ms={})
     if names == ['fp32']:
         record.update(choice='fp32', reason=f"fp32 only: {why_not_bf16 or 'no bf16 candidate'}")
         return record
-    times = measure_interleaved({n: candidates[n] for n in names}, repeat, warmup)
+    # interleaved as mmslab.benchmark.measure_interleaved times (rotating order, so the
+    # machine's noise spreads over both); written out here, as the benchmark tools import
+    # mmdet and mmseg, which an engine hook must not load
+    times = {n: [] for n in names}
+    with torch.inference_mode():
+        for _ in range(warmup):
+            for n in names:
+                candidates[n]()
+        for r in range(repeat):
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                times[n].append(timed_ms(candidates[n])[1])
     medians = {n: latency_stats(t)['median_ms'] for n, t in times.items()}
     record['times_ms'] = medians
     faster = medians['bf16'] * margin < medians['fp32']

@@ -23,7 +23,7 @@ same swap as a context manager, for code that drives a model without a runner.
 """
 import math
 from contextlib import contextmanager
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -94,11 +94,12 @@ class RuntimePart:
         except ValueError as err:
             raise RuntimeError(str(err)) from None
 
-    def whole(self, image: torch.Tensor) -> List[torch.Tensor]:
-        """One ``[1, 3, h, w]`` image through a whole-model export, outputs as they come
-        (detections are in the input's pixels, so zero padding at the bottom/right of a
-        static export leaves them where they are)."""
-        return [torch.from_numpy(np.asarray(o)) for o in self.runtime_model(self._input(image))]
+    def whole(self, image: torch.Tensor, names: Sequence[str]) -> Dict[str, torch.Tensor]:
+        """One ``[1, 3, h, w]`` image through a whole-model export: the outputs ``names``,
+        as they come (detections are in the input's pixels, so zero padding at the
+        bottom/right of a static export leaves them where they are)."""
+        outputs = self.runtime_model.run(self._input(image), names)
+        return {n: torch.from_numpy(np.asarray(o)) for n, o in outputs.items()}
 
     def __call__(self, inputs: torch.Tensor) -> List[torch.Tensor]:
         h, w = inputs.shape[-2:]
@@ -149,18 +150,12 @@ class RuntimeBackendHook(Hook):
 
     def __init__(self, export_dir: str, runtime: str = 'onnxruntime', int8: bool = False,
                  threads: int = 0, bf16: bool = False, precision: Optional[str] = None):
-        from mmslab.deploy.runtimes import (check_runtime, check_runtime_precision,
-                                            resolve_precision)
+        from mmslab.deploy.runtimes import resolve_precision
         self.export_dir = export_dir
-        self.runtime = check_runtime(runtime)
-        if precision == 'auto':
-            if int8 or bf16:
-                raise ValueError("precision='auto' contradicts int8=True / bf16=True")
-            self.requested = 'auto'
-            self.precision = 'fp32'  # until the measurement (before the test epoch)
-        else:
-            self.requested = self.precision = check_runtime_precision(
-                runtime, resolve_precision(precision, int8, bf16))
+        self.runtime = runtime
+        self.requested = resolve_precision(precision, int8, bf16, runtime, auto=True)
+        # auto: fp32 until the measurement (before the test epoch)
+        self.precision = 'fp32' if self.requested == 'auto' else self.requested
         self.auto_record: Optional[dict] = None
         self.threads = threads
         self.info = read_export_info(export_dir)
@@ -181,8 +176,7 @@ class RuntimeBackendHook(Hook):
         if self._runtime_model is None:
             from mmslab.deploy.runtimes import load_runtime_model
             self._runtime_model = load_runtime_model(self.export_dir, self.runtime,
-                                                     threads=self.threads,
-                                                     precision=self.precision)
+                                                     self.precision, self.threads)
         return self._runtime_model
 
     def _choose_precision(self, runner, model: nn.Module) -> None:
@@ -202,8 +196,8 @@ class RuntimeBackendHook(Hook):
             why_not = 'this CPU has neither avx512_bf16 nor amx_bf16'
         models = {}
         if why_not is None:
-            models = {p: load_runtime_model(self.export_dir, self.runtime, threads=self.threads,
-                                            precision=p) for p in ('fp32', 'bf16')}
+            models = {p: load_runtime_model(self.export_dir, self.runtime, p, self.threads)
+                      for p in ('fp32', 'bf16')}
             shape = None if self.info.get('dynamic') else self.info['shape']
             with torch.no_grad():
                 data = model.data_preprocessor(first_test_batch(runner), False)
@@ -278,8 +272,8 @@ class RuntimeBackendHook(Hook):
 
     def _detector_predict(self, model: nn.Module, run: 'RuntimePart'):
         """``predict`` of a detector whose whole network runs in the runtime."""
-        names = self.info.get('outputs') or []
-        if names[:2] != ['dets', 'labels']:
+        names = self.info['outputs']
+        if not {'dets', 'labels'} <= set(names):
             raise RuntimeError(f"{self.export_dir}: a detector export has outputs 'dets', "
                                f"'labels'[, 'masks'], not {names}")
         threshold = float(self.info.get('mask_thr_binary', 0.5))
@@ -287,7 +281,7 @@ class RuntimeBackendHook(Hook):
         def predict(batch_inputs, batch_data_samples, rescale: bool = True):
             from mmengine.structures import InstanceData
             for i, sample in enumerate(batch_data_samples):
-                outs = dict(zip(names, run.whole(batch_inputs[i:i + 1])))
+                outs = run.whole(batch_inputs[i:i + 1], names)
                 dets, labels = outs['dets'].float(), outs['labels'].long()
                 bboxes = dets[:, :4].clone()
                 if rescale:  # mmdet divides by scale_factor, without clipping

@@ -1,0 +1,166 @@
+"""INT8 artifacts and their calibration: the export side of INT8, beside ``onnx_export``.
+They need the model (calibration images go through its data preprocessor) and write the
+files that :mod:`mmslab.deploy.runtimes` opens; the runtime layer never imports this module.
+
+Both runtimes read the same ONNX file, but INT8 needs one path per runtime (OpenVINO does not
+compile onnxruntime's QDQ model): onnxruntime static quantization (QDQ, per-channel weights)
+writes ``model_int8.onnx``; NNCF post-training quantization writes
+``openvino/model_int8.xml``. Calibration uses images of the config's dataset, passed through
+the model's own data preprocessor, so the statistics are those of real inputs.
+
+numpy only at import: onnx, onnxruntime's quantizer, NNCF, PyTorch and mmengine load in the
+functions that use them.
+"""
+import os
+import os.path as osp
+import warnings
+from typing import List, Sequence
+
+import numpy as np
+
+from .runtimes import OnnxRuntimeModel, pad_to_shape
+
+WEIGHT_OPS = ('MatMul', 'Gemm', 'Conv')  # the op types ORT INT8 quantizes (with weights)
+
+
+def quantize_onnxruntime(onnx_path: str, out_path: str,
+                         calibration: Sequence[np.ndarray]) -> str:
+    """Static INT8 quantization (QDQ, per-channel int8 weights, uint8 activations calibrated
+    by MinMax on ``calibration`` images). u8 activations x s8 weights is the combination
+    onnxruntime's x86 kernels are fastest with; s8 x s8 ran slower than fp32 here.
+
+    Only the layers with weights (MatMul / Gemm / Conv whose second input is a stored tensor)
+    are quantized: they are where the time goes. Quantizing also the activation x activation
+    products (attention scores, SLA's K^T V), the residual additions and the normalizers cost
+    SLAB-Swin-T 0.027 bbox mAP on the demo (0.001 to 0.006 with weight layers only).
+
+    Calibration covers the tensors of those operator types only: onnxruntime's MinMax
+    calibrator keeps every calibrated tensor of a run alive, and calibrating all of them ran
+    out of 24 GB at 800x1344 (7.7 GB peak now)."""
+    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType,
+                                          quantize_static)
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    input_name = OnnxRuntimeModel(onnx_path).input_name
+
+    class Reader(CalibrationDataReader):
+
+        def __init__(self):
+            self.items = iter([{input_name: x} for x in calibration])
+
+        def get_next(self):
+            return next(self.items, None)
+
+    prepared = out_path + '.pre.onnx'
+    # ORT graph optimization in the pre-processing mis-folds the shape arithmetic of
+    # mmdet's Swin (Reshape to the wrong window count): shape inference only.
+    quant_pre_process(onnx_path, prepared, skip_optimization=True, skip_symbolic_shape=True)
+    try:
+        quantize_static(prepared, out_path, Reader(), quant_format=QuantFormat.QDQ,
+                        per_channel=True, activation_type=QuantType.QUInt8,
+                        weight_type=QuantType.QInt8, nodes_to_quantize=weight_layers(prepared),
+                        op_types_to_quantize=list(WEIGHT_OPS))
+    finally:
+        if osp.exists(prepared):
+            os.remove(prepared)
+    return out_path
+
+
+def weight_layers(onnx_path: str) -> List[str]:
+    """Names of the MatMul / Gemm / Conv nodes whose weight is an initializer, except
+    depth-wise / grouped convs."""
+    import onnx
+    graph = onnx.load(onnx_path).graph
+    weights = {init.name for init in graph.initializer}
+    return [n.name for n in graph.node
+            if n.op_type in WEIGHT_OPS and len(n.input) > 1 and n.input[1] in weights
+            and not _is_grouped_conv(n)]
+
+
+def _is_grouped_conv(node) -> bool:
+    # Depth-wise convs (SLA's DWC branch, a small share of the compute) stay float, as they
+    # were in every INT8 accuracy and latency figure measured.
+    return node.op_type == 'Conv' and any(a.name == 'group' and a.i > 1 for a in node.attribute)
+
+
+def quantize_openvino(xml_path: str, out_path: str, calibration: Sequence[np.ndarray]) -> str:
+    """NNCF post-training INT8 quantization of the OpenVINO model (transformer preset).
+
+    NNCF averages each quantized tensor's per-image minimum and maximum over the calibration
+    images. A tensor that is empty for an image reduces to +-FLT_MAX (the identity of min /
+    max): in a detector, the RoIAlign of an FPN level that no RoI was assigned to. The mean of
+    two such values overflows float32, which numpy reports as "overflow encountered in
+    reduce". Those RoIAlign outputs share one quantization range with the other levels (they
+    are merged), whose finite statistics set it, so the model is unaffected: the warning is
+    not shown, and every quantizer's range is checked to be finite instead.
+    """
+    import nncf
+    import openvino as ov
+    model = ov.Core().read_model(xml_path)
+    dataset = nncf.Dataset(list(calibration))
+    # adaptive pooling's bin products stay float (see onnx_export.PoolingProduct)
+    ignored = nncf.IgnoredScope(patterns=['.*/pool_product/.*'], validate=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='overflow encountered in reduce',
+                                category=RuntimeWarning)
+        quantized = nncf.quantize(model, dataset, model_type=nncf.ModelType.TRANSFORMER,
+                                  subset_size=len(calibration), ignored_scope=ignored)
+    check_quantizer_ranges(quantized)
+    ov.save_model(quantized, out_path)
+    return out_path
+
+
+def check_quantizer_ranges(model) -> int:
+    """Raise if a ``FakeQuantize`` of the OpenVINO ``model`` has a range that is not finite
+    (its input / output low and high constants); returns how many were checked."""
+    checked = 0
+    for op in model.get_ops():
+        if op.get_type_name() != 'FakeQuantize':
+            continue
+        for i in range(1, 5):
+            node = op.input_value(i).get_node()
+            while node.get_type_name() == 'Convert':  # a compressed constant
+                node = node.input_value(0).get_node()
+            if node.get_type_name() == 'Constant' and \
+                    not np.isfinite(node.get_data().astype(np.float64)).all():
+                raise RuntimeError(f'INT8 quantization gave {op.get_friendly_name()} a range '
+                                   'that is not finite: calibrate on other or more images '
+                                   '(--calib-images)')
+        checked += 1
+    return checked
+
+
+def preprocessed_images(cfg, model, num: int, split: str = 'train',
+                        shape=None) -> List[np.ndarray]:
+    """``num`` images of the config's ``split`` ('train' or 'test') set through the test
+    pipeline and the model's data preprocessor (normalized, padded to its size divisor) as
+    ``[1, 3, H, W]`` float32 arrays, the inputs the deployed model gets; zero-padded to
+    ``shape`` for a static export, as inference pads them."""
+    import torch
+    from mmengine.dataset import pseudo_collate
+    from mmengine.registry import DATASETS, init_default_scope
+    if split not in ('train', 'test'):
+        raise ValueError(f"split {split!r}; valid: 'train', 'test'")
+    init_default_scope(cfg.get('default_scope', 'mmdet'))
+    ds_cfg = cfg[f'{split}_dataloader'].dataset.copy()
+    while 'dataset' in ds_cfg and 'pipeline' not in ds_cfg:  # RepeatDataset & co.
+        ds_cfg = ds_cfg.dataset.copy()
+    ds_cfg.pipeline = cfg.test_dataloader.dataset.pipeline
+    ds_cfg.test_mode = True
+    ds_cfg.pop('filter_cfg', None)
+    dataset = DATASETS.build(ds_cfg)
+    if len(dataset) == 0:
+        raise RuntimeError(f'the {split} dataset of the config is empty')
+    out = []
+    with torch.no_grad():
+        for i in range(min(num, len(dataset))):
+            data = model.data_preprocessor(pseudo_collate([dataset[i]]), False)
+            image = data['inputs'].float().numpy()
+            out.append(pad_to_shape(image, shape) if shape is not None else image)
+    return out
+
+
+def calibration_images(cfg, model, num: int, shape=None) -> List[np.ndarray]:
+    """INT8 calibration inputs: images of the training set (:func:`preprocessed_images`);
+    the INT8 error is then measured on test-set images, which calibration never saw."""
+    return preprocessed_images(cfg, model, num, 'train', shape)
