@@ -14,8 +14,8 @@ import torch
 import mmslab
 from conftest import randomize_weights
 from mmslab.deploy import export_onnx
-from mmslab.models.layers.window_attention import (WindowMSA, attention_layout_report,
-                                                   exported_attention_layout)
+from mmslab.models.layers.export_mode import export_mode
+from mmslab.models.layers.window_attention import WindowMSA, attention_layout_report
 from test_swin_backbones import build_preset
 
 
@@ -73,7 +73,7 @@ def test_split_token_pad_is_the_value_padding_has_after_qkv():
     kernels = [m for m in model.modules() if isinstance(m, WindowMSA)]
     assert kernels and all(k.qkv_pad is not None for k in kernels)  # folded norms
     for k in kernels:
-        token = k.token_pad_value()
+        token = k.padded_token()
         with torch.no_grad():
             after_qkv = k.qkv(token)
         assert torch.allclose(after_qkv, k.qkv_pad, atol=1e-5, rtol=1e-4)
@@ -90,7 +90,7 @@ def test_kernel_without_a_padding_token_stays_packed_and_exact(tmp_path):
         kernel.qkv.weight[:, 0] = 0.0
         kernel.qkv_pad.add_(torch.linspace(-1.0, 1.0, kernel.qkv_pad.numel()))
         refs = [[o.numpy() for o in model(x)] for x in inputs]
-    assert kernel.token_pad_value() is None
+    assert kernel.padded_token() is None
     report = attention_layout_report(model, 'split')
     total = sum(isinstance(m, WindowMSA) for m in model.modules())
     assert report == dict(layout='split', split=total - 1, packed=1, mmdet_window_msa=0)
@@ -114,7 +114,7 @@ def test_linear_attention_kernels_report_packed():
 
 def test_unknown_layout_names_the_choices():
     with pytest.raises(ValueError, match="valid: \\('packed', 'split'\\)"):
-        with exported_attention_layout('fused'):
+        with export_mode(layout='fused'):
             pass
     with pytest.raises(ValueError, match='packed'):
         attention_layout_report(build_preset('RePaSwin'), 'mha')

@@ -16,7 +16,7 @@ import mmslab
 from conftest import randomize_weights
 from mmslab.deploy import export_onnx
 from mmslab.deploy.mmdet_swin import dynamic_mmdet_swin
-from mmslab.models.layers import symbolic_shapes
+from mmslab.models.layers import export_mode
 from test_pvt_backbones import TINY as PVT_TINY
 from test_swin_backbones import PRESETS, build_preset
 
@@ -78,7 +78,7 @@ def test_symbolic_eager_path_matches_unfused_model(name):
     with torch.no_grad():
         refs = [[o.numpy() for o in model(x)] for x in inputs]
         mmslab.reparameterize(model)
-        with symbolic_shapes():
+        with export_mode(symbolic=True):
             for x, ref in zip(inputs, refs):
                 assert_close(ref, [o.numpy() for o in model(x)], 1e-4)
 

@@ -1,9 +1,15 @@
 """Window softmax attention: both implementations equal an explicit softmax, and the one used
-at inference is chosen by measurement (or forced by MMSLAB_WINDOW_SOFTMAX)."""
+at inference is chosen by measurement (or forced by ``export_mode(window_softmax=...)``, whose
+process default is MMSLAB_WINDOW_SOFTMAX)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from mmslab.models.layers import window_attention as wa
+from mmslab.models.layers.export_mode import current_export_mode, export_mode
 from mmslab.models.layers.shift_window import ShiftWindowAttention
 
 
@@ -26,7 +32,7 @@ def explicit_window_attention(qkv, heads, scale, bias, mask):
 @pytest.mark.parametrize('impl', ['sdpa', 'matmul'])
 @pytest.mark.parametrize('shift', [False, True])
 def test_each_implementation_matches_explicit_softmax(monkeypatch, impl, shift):
-    monkeypatch.setenv('MMSLAB_WINDOW_SOFTMAX', impl)
+    monkeypatch.setattr(wa, '_time_implementations', lambda *a, **k: pytest.fail('timed'))
     torch.manual_seed(0)
     attn = ShiftWindowAttention(24, 3, 4, shift=shift).eval()
     torch.nn.init.normal_(attn.w_msa.relative_position_bias_table, std=0.5)
@@ -34,7 +40,7 @@ def test_each_implementation_matches_explicit_softmax(monkeypatch, impl, shift):
     h, w = 8, 8  # two windows per side, no padding: the layout is a plain partition + roll
     layout = attn._layout(h, w, torch.device('cpu'))
     qkv = torch.randn(2 * layout['num_windows'], 16, 72)
-    with torch.no_grad():
+    with torch.no_grad(), export_mode(window_softmax=impl):
         ours = kernel.attend(qkv, layout['num_windows'], (4, 4),
                              shift_mask=layout['shift_mask'])
     ref = explicit_window_attention(qkv, 3, kernel.scale, kernel.position_bias(),
@@ -45,7 +51,7 @@ def test_each_implementation_matches_explicit_softmax(monkeypatch, impl, shift):
 
 
 def test_choice_is_measured_once_per_shape_and_recorded(monkeypatch):
-    monkeypatch.delenv('MMSLAB_WINDOW_SOFTMAX', raising=False)
+    assert current_export_mode()['window_softmax'] == 'auto'
     monkeypatch.setattr(wa, '_CHOICES', {})
     timed = []
     real = wa._time_implementations
@@ -70,7 +76,6 @@ def test_choice_is_measured_once_per_shape_and_recorded(monkeypatch):
 
 
 def test_training_and_export_do_not_measure(monkeypatch):
-    monkeypatch.delenv('MMSLAB_WINDOW_SOFTMAX', raising=False)
     monkeypatch.setattr(wa, '_time_implementations', lambda *a, **k: pytest.fail('timed'))
     q = torch.randn(2, 2, 16, 8, requires_grad=True)
     k, v = torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
@@ -78,8 +83,24 @@ def test_training_and_export_do_not_measure(monkeypatch):
     assert wa.choose_window_softmax(q, k, v, mask, 0.3) == 'sdpa'
 
 
-def test_invalid_forced_choice_is_an_error(monkeypatch):
-    monkeypatch.setenv('MMSLAB_WINDOW_SOFTMAX', 'fastest')
-    x = torch.randn(1, 1, 4, 4)
+def test_invalid_forced_choice_is_an_error():
     with pytest.raises(ValueError, match='valid: auto, sdpa, matmul'):
-        wa.choose_window_softmax(x, x, x, torch.zeros(1, 1, 4, 4), 1.0)
+        with export_mode(window_softmax='fastest'):
+            pass
+    assert current_export_mode()['window_softmax'] == 'auto'  # restored after the error
+
+
+@pytest.mark.parametrize('value, ok', [('matmul', True), ('fastest', False)])
+def test_environment_sets_the_process_default_once(value, ok):
+    """MMSLAB_WINDOW_SOFTMAX is read when export_mode is imported, and a bad value fails
+    there, naming the choices."""
+    code = ('from mmslab.models.layers.export_mode import current_export_mode; '
+            'print(current_export_mode()["window_softmax"])')
+    env = dict(os.environ, MMSLAB_WINDOW_SOFTMAX=value)
+    run = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True)
+    if ok:
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == value
+    else:
+        assert run.returncode != 0
+        assert "MMSLAB_WINDOW_SOFTMAX='fastest'; valid: auto, sdpa, matmul" in run.stderr

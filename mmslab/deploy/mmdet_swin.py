@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mmslab.models.layers.shift_window import shift_window_mask
 from mmslab.models.layers.symbolic import as_size, ceil_div
 from mmslab.models.layers.window_attention import split_qkv
 
@@ -41,15 +42,7 @@ def _shift_window_msa_forward(self, query: Tensor, hw_shape) -> Tensor:
     mask = None
     if s > 0:
         x = torch.roll(x, shifts=(-s, -s), dims=(1, 2))
-        # the regions of the padded map the cyclic shift wrapped (mmdet's img_mask)
-        rows = torch.arange(hp, device=x.device)
-        cols = torch.arange(wp, device=x.device)
-        region = (((rows >= hp - ws).long() + (rows >= hp - s).long()).view(-1, 1) * 3 +
-                  ((cols >= wp - ws).long() + (cols >= wp - s).long()).view(1, -1))
-        region = region.view(hp // ws, ws, wp // ws, ws).transpose(1, 2).reshape(-1, ws * ws)
-        mask = torch.where(region.unsqueeze(1) != region.unsqueeze(2),
-                           torch.tensor(-100.0, device=x.device),
-                           torch.tensor(0.0, device=x.device))
+        mask = shift_window_mask(hp, wp, ws, ws, s, x.device)  # mmdet's img_mask, in the graph
     windows = x.view(b, hp // ws, ws, wp // ws, ws, c).transpose(2, 3).reshape(-1, ws * ws, c)
     out = self.w_msa(windows, mask=mask)
     x = out.view(b, hp // ws, wp // ws, ws, ws, c).transpose(2, 3).reshape(b, hp, wp, c)
@@ -61,7 +54,7 @@ def _shift_window_msa_forward(self, query: Tensor, hw_shape) -> Tensor:
 
 def _window_msa_split_forward(self, x: Tensor, mask=None) -> Tensor:
     """``WindowMSA.forward`` in the ``split`` exported attention layout (see
-    :func:`mmslab.models.layers.window_attention.exported_attention_layout`): q, k, v as three
+    :mod:`mmslab.models.layers.export_mode`): q, k, v as three
     MatMuls with the standard multi-head transposes and the scale folded into q; the same
     function as mmdet's."""
     b, n, c = x.shape

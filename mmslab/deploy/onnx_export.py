@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from mmslab.models.layers.symbolic import symbolic_shapes, symbolic_shapes_enabled
+from mmslab.models.layers.export_mode import export_mode, symbolic_shapes_enabled
 from .compare import max_relative_error  # noqa: F401  (re-exported)
 from .export_info import is_detector, is_segmentor
 
@@ -219,19 +219,17 @@ def export_onnx(model: nn.Module, part: str, shape: Tuple[int, int], path: str,
     """Write ``part`` of the (already fused, eval-mode) ``model`` to ``path``, traced at
     ``shape``; returns the output names. ``dynamic``: height and width are free.
     ``attention``: the layout of mmslab's window softmax attention in the graph (see
-    :func:`~mmslab.models.layers.window_attention.exported_attention_layout`). The
+    :mod:`~mmslab.models.layers.export_mode`). The
     exporter's expected warnings are not shown (:func:`expected_export_warnings`)."""
-    from mmslab.models.layers.window_attention import exported_attention_layout
     from .mmdet_swin import dynamic_mmdet_swin, split_mmdet_window_attention
     wrapper = ExportWrapper(make_exportable(model), part, seg_argmax).eval()
     dummy = torch.randn(1, 3, *shape)
     with ExitStack() as stack:
         stack.enter_context(expected_export_warnings())
-        stack.enter_context(exported_attention_layout(attention))
+        stack.enter_context(export_mode(layout=attention, symbolic=dynamic))
         if attention == 'split':
             stack.enter_context(split_mmdet_window_attention())
         if dynamic:
-            stack.enter_context(symbolic_shapes())
             stack.enter_context(dynamic_mmdet_swin())
         with torch.no_grad():
             names = wrapper.output_names(len(wrapper(dummy)))

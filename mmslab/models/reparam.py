@@ -8,7 +8,7 @@ from mmseg.models.decode_heads import UPerHead
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .layers.affine import FoldableNorm, fold_affine_into_next_conv
-from .layers.deploy import deploy_children
+from .layers.reparameterizable import deploy_children
 
 
 def reparameterize(model: nn.Module) -> nn.Module:

@@ -11,7 +11,7 @@ from mmengine.dist import all_gather_object, get_world_size, is_main_process
 from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
 
-from mmslab.models.layers.deploy import Reparameterizable
+from mmslab.models.layers.reparameterizable import Reparameterizable
 from mmslab.models.reparam import reparameterize
 from mmslab.registry import register_hook
 from mmslab.utils.machine import machine_info

@@ -6,7 +6,7 @@ from mmengine.logging import MMLogger
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..checkpoint_utils import load_pretrained_backbone
-from ..layers.deploy import Reparameterizable, deploy_children
+from ..layers.reparameterizable import Reparameterizable, deploy_children
 from ..layers.repbn import SLAB_PREPBN_STEPS
 from ..layers.unified_norm import UN
 

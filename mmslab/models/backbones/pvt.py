@@ -23,10 +23,10 @@ from mmslab.registry import register_model
 from ..layers.affine import (FoldableNorm, fold_affine_into_next_conv,
                              fold_affine_into_next_linear, fold_affine_into_weight)
 from ..layers.builder import build_norm, check_norm_cfg, is_foldable_norm, resolve_layer_type
-from ..layers.deploy import Reparameterizable
+from ..layers.reparameterizable import Reparameterizable
 from ..layers.linear_attention import SLA
 from ..layers.patch import PatchEmbed
-from ..layers.symbolic import symbolic_shapes_enabled
+from ..layers.export_mode import symbolic_shapes_enabled
 from .base import (SLAB_NORM_CFG, BackbonePreset, ReparamBackboneMixin, check_bn_stats,
                    freeze_module, init_cfg_from_pretrained, per_stage)
 

@@ -20,7 +20,7 @@ from mmslab.registry import register_model
 from ..layers.affine import FoldableNorm
 from ..layers.builder import (build_norm, check_norm_cfg, get_ffn, get_window_attention,
                               is_foldable_norm, layer_class)
-from ..layers.deploy import Reparameterizable
+from ..layers.reparameterizable import Reparameterizable
 from ..layers.patch import PatchEmbed, PatchMerging
 from ..layers.shift_window import ShiftWindowAttention
 from .base import (SLAB_NORM_CFG, BackbonePreset, ReparamBackboneMixin, check_bn_stats,

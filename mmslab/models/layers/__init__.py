@@ -2,13 +2,13 @@ from .affine import (FoldableNorm, fold_affine_into_next_conv, fold_affine_into_
                      fold_affine_into_prev, fold_affine_into_weight)
 from .builder import (build_norm, build_window_attention, check_norm_cfg, get_ffn,
                       get_norm_layer, get_window_attention, is_foldable_norm, layer_class)
-from .deploy import Reparameterizable, deploy_children
+from .reparameterizable import Reparameterizable, deploy_children
 from .ffn import BlockFFN, ChannelIdleFFN, SwinFFN
 from .linear_attention import SLA, BiNormAttention
 from .patch import PatchEmbed, PatchMerging
 from .repbn import PRepBN, RepBN
 from .shift_window import ShiftWindowAttention
-from .symbolic import symbolic_shapes, symbolic_shapes_enabled
+from .export_mode import export_mode, symbolic_shapes_enabled
 from .token_bn import TokenBN
 from .unified_norm import UN
 from .window_attention import WindowKernelBase, WindowMSA
@@ -19,7 +19,7 @@ __all__ = [
     'build_window_attention', 'check_norm_cfg', 'get_ffn', 'get_norm_layer',
     'get_window_attention', 'is_foldable_norm', 'layer_class', 'Reparameterizable', 'deploy_children',
     'BlockFFN', 'ChannelIdleFFN', 'SwinFFN', 'SLA', 'BiNormAttention', 'PatchEmbed',
-    'PatchMerging', 'PRepBN', 'RepBN', 'ShiftWindowAttention', 'symbolic_shapes',
+    'PatchMerging', 'PRepBN', 'RepBN', 'ShiftWindowAttention', 'export_mode',
     'symbolic_shapes_enabled', 'TokenBN', 'UN',
     'WindowKernelBase', 'WindowMSA'
 ]

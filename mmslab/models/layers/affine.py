@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .deploy import Reparameterizable
+from .reparameterizable import Reparameterizable
 
 DATA_FORMATS = ('channels_last', 'channels_first')
 

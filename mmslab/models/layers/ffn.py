@@ -10,7 +10,7 @@ from torch import Tensor
 
 from mmslab.registry import register_model
 from .affine import fold_affine_into_next_linear
-from .deploy import Reparameterizable
+from .reparameterizable import Reparameterizable
 from .token_bn import bn_affine
 
 

@@ -16,8 +16,8 @@ from mmengine.model.weight_init import trunc_normal_
 from torch import Tensor
 
 from mmslab.registry import register_model
-from .deploy import Reparameterizable
-from .symbolic import symbolic_shapes_enabled
+from .reparameterizable import Reparameterizable
+from .export_mode import symbolic_shapes_enabled
 from .window_attention import WindowKernelBase
 
 

@@ -8,9 +8,9 @@ from torch import Tensor
 
 from .affine import FoldableNorm, fold_affine_into_next_linear, fold_affine_into_prev
 from .builder import build_norm, is_foldable_norm
-from .deploy import Reparameterizable
-from .symbolic import (ceil_div, compiling, graph_size, size_max,
-                       symbolic_shapes_enabled)
+from .reparameterizable import Reparameterizable
+from .export_mode import compiling, symbolic_shapes_enabled
+from .symbolic import ceil_div, graph_size, size_max
 
 
 class _NormFoldingLayer(Reparameterizable, nn.Module):

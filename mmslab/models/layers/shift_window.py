@@ -7,8 +7,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from .builder import build_window_attention
-from .symbolic import ceil_div, compiling, graph_size, symbolic_shapes_enabled
-from .window_attention import attention_layout
+from .export_mode import compiling, exporting, split_layout_token, symbolic_shapes_enabled
+from .symbolic import Size, ceil_div, graph_size
 
 
 def window_partition(x: Tensor, wh: int, ww: int) -> Tensor:
@@ -18,19 +18,62 @@ def window_partition(x: Tensor, wh: int, ww: int) -> Tensor:
     return x.reshape(-1, wh * ww, c)
 
 
+def shift_window_mask(hp: Size, wp: Size, wh: Size, ww: Size, s: Size,
+                      device=None) -> Tensor:
+    """``[nW, N, N]`` additive mask (0 / -100) that keeps the regions a cyclic shift by ``s``
+    wrapped around a padded ``hp x wp`` map from attending to each other (Swin's
+    ``img_mask``), windows row-major.
+
+    Python int sizes give a constant built in numpy, so an exported graph holds it as one
+    initializer; traced (tensor) sizes and ``torch.compile`` give the same formula as graph
+    operations, for graphs that serve any size.
+    """
+    # (dynamo reports its symbolic sizes as ints: under torch.compile, always graph ops)
+    static = not compiling() and all(isinstance(v, int) for v in (hp, wp, wh, ww, s))
+    if static:
+        row, col = np.arange(hp).reshape(-1, 1), np.arange(wp).reshape(1, -1)
+    else:
+        row = torch.arange(hp, device=device).view(-1, 1)
+        col = torch.arange(wp, device=device).view(1, -1)
+    def count(*conditions):  # how many hold, as integers (numpy or torch)
+        return sum(c.astype(np.int64) if static else c.long() for c in conditions)
+
+    # region of a padded coordinate: 0 before the last window, 1 in it before the wrapped
+    # strip, 2 in the strip; rows and columns combined as 3 * row region + column region
+    region = (count(row >= hp - wh, row >= hp - s) * 3 +
+              count(col >= wp - ww, col >= wp - s))  # [hp, wp]
+    region = region.reshape(hp // wh, wh, wp // ww, ww).swapaxes(1, 2).reshape(-1, wh * ww)
+    if static:
+        diff = region[:, None, :] != region[:, :, None]
+        return torch.from_numpy(np.where(diff, -100.0, 0.0).astype(np.float32)).to(device)
+    return torch.where(region.unsqueeze(1) != region.unsqueeze(2),
+                       torch.tensor(-100.0, device=device), torch.tensor(0.0, device=device))
+
+
 class ShiftWindowAttention(nn.Module):
     """Window attention with optional cyclic shift, as mmdet's ``ShiftWindowMSA``.
 
-    ``qkv`` is pointwise, so it runs on the gathered window slots and padded slots get the
-    value a zero token would have after ``qkv`` (mmdet pads the normalized tokens with zeros);
-    ``proj`` runs after cropping. Kernels with ``masks_padding`` exclude padded tokens instead.
-    Pad + roll + partition is a single cached-index gather, and so is its inverse; shift and
-    padding masks are constants cached per input size. Exported graphs run ``qkv`` on the
-    tokens instead and gather the windows from them plus one appended padded row; inside
-    :func:`~mmslab.models.layers.symbolic.symbolic_shapes` (dynamic-size export) the gather
-    indices and the shift mask are computed from the runtime size in the graph, and so they
-    are under ``torch.compile`` (one graph for every input size; windows gathered before
-    ``qkv`` there, as eager).
+    ``w_msa`` holds the window kernel (softmax ``WindowMSA``, ``SLA``, ``BiNormAttention``,
+    any :class:`~mmslab.models.layers.window_attention.WindowKernelBase`); the attribute keeps
+    mmdet's name so that mmdet Swin state dicts load with their keys unchanged.
+
+    One forward serves every path; they differ only in where the window layout comes from
+    and in how window slots are filled:
+
+    * layout: eager and fixed-size exports use index maps cached per input size
+      (:meth:`_layout`, sizes as Python ints: constants of a traced graph); the shape-generic
+      path (dynamic-size export, ``torch.compile``; see
+      :mod:`~mmslab.models.layers.export_mode`) computes the same maps from the runtime size
+      in the graph (:meth:`_graph_layout`);
+    * slots: ``qkv`` is pointwise, so eager runs it on the gathered ``C``-channel window slots
+      and padded slots get the value a zero token would have after ``qkv`` (mmdet pads the
+      normalized tokens with zeros); graphs run ``qkv`` on the tokens and gather the windows
+      from its output plus one appended padded row (``packed`` layout), or gather the
+      ``C``-channel tokens plus a padded token and let the kernel run q, k, v as three
+      MatMuls (``split`` layout, :meth:`WindowKernelBase.attend_tokens`). Kernels with
+      ``masks_padding`` exclude padded tokens, whatever their value.
+
+    Pad + roll + partition is one gather, and so is its inverse; ``proj`` runs after it.
 
     Shape: ``[B, H*W, C]`` with ``hw_shape=(H, W)`` -> ``[B, H*W, C]``.
     """
@@ -57,10 +100,11 @@ class ShiftWindowAttention(nn.Module):
     def _layout(self, h: int, w: int, device) -> dict:
         """Cached index maps between the ``h x w`` tokens and the (shifted, padded) windows.
 
-        ``gather``: for every window slot (windows row-major, tokens row-major inside), the
-        source token, or ``h*w`` for a padded slot. ``bidx``/``pidx``: for every token, its
-        window (batch 0) and position in it, used to scatter the attention output back.
-        Roll, pad, partition and their inverses become one gather each way.
+        ``gather_or_pad``: for every window slot (windows row-major, tokens row-major inside),
+        the source token, or ``h*w`` for a padded slot (``gather``: the same, clamped to a
+        real token). ``bidx``/``pidx``: for every token, its window (batch 0) and position in
+        it, used to scatter the attention output back. Roll, pad, partition and their
+        inverses become one gather each way.
         """
         key = (h, w, str(device))
         layout = self._cache.get(key)
@@ -83,141 +127,28 @@ class ShiftWindowAttention(nn.Module):
         slot_of_token = torch.empty(h * w, dtype=torch.long, device=device)
         slots = torch.arange(gather.numel(), device=device)
         slot_of_token[gather[valid]] = slots[valid]
-        layout = dict(wh=wh, ww=ww, hp=hp, wp=wp, shift=s, num_windows=nwh * nww,
+        pad_slots = slots[~valid]
+        layout = dict(wh=wh, ww=ww, num_windows=nwh * nww,
                       identity=(wh, ww) == (h, w) and s == 0,
                       gather=gather.clamp(max=h * w - 1), gather_or_pad=gather,
-                      pad_slots=slots[~valid],
+                      padded=bool(pad_slots.numel()), pad_slots=pad_slots,
                       bidx=slot_of_token // n, pidx=slot_of_token % n,
-                      valid=valid.view(-1, n) if not bool(valid.all()) else None)
-        layout['shift_mask'] = self._shift_mask(hp, wp, wh, ww, s, device)
+                      valid=valid.view(-1, n) if pad_slots.numel() else None,
+                      cache_key=(hp, wp, wh, ww, s, str(device)),
+                      shift_mask=shift_window_mask(hp, wp, wh, ww, s, device)
+                      if s and self.w_msa.uses_shift_mask else None)
         if len(self._cache) > 16:
             self._cache.clear()
         self._cache[key] = layout
         return layout
 
-    def _shift_mask(self, hp: int, wp: int, wh: int, ww: int, s: int, device):
-        """``[nW, N, N]`` additive mask (0 / -100) separating regions the shift wrapped."""
-        if not (s and self.w_msa.uses_shift_mask):
-            return None
-        # Built in numpy: a constant, so an exported graph holds it as one initializer
-        # (traced tensor ops would record the empty region slices of small maps).
-        img = np.zeros((1, hp, wp, 1), dtype=np.float32)
-        cnt = 0
-        for hs in (slice(0, -wh), slice(-wh, -s), slice(-s, None)):
-            for ws in (slice(0, -ww), slice(-ww, -s), slice(-s, None)):
-                img[:, hs, ws, :] = cnt
-                cnt += 1
-        win = window_partition(torch.from_numpy(img), wh, ww).squeeze(-1).numpy()  # [nW, N]
-        diff = win[:, None, :] - win[:, :, None]
-        return torch.from_numpy(np.where(diff != 0, -100.0, 0.0).astype(np.float32)).to(device)
-
-    def _export_token_pad(self) -> Optional[Tensor]:
-        """``[C]`` padded token of the ``split`` exported attention layout, or None for the
-        ``packed`` one (eager, compiled, another layout, kernels without the split form, or
-        a folded norm no token maps to zero)."""
+    def _graph_layout(self, x: Tensor, hw_shape) -> dict:
+        """:meth:`_layout` for the shape-generic path: every size-dependent quantity computed
+        from ``hw_shape`` in the graph (the same slots, masks and order). Sizes are tensors
+        when traced for export, dynamo's symbolic ints under ``torch.compile`` (no per-size
+        cache, no ``int()``: one graph for every size). ``slot``: for every token, its flat
+        window slot (the inverse gather)."""
         kernel = self.w_msa
-        if not (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()) or \
-                attention_layout() != 'split' or not kernel.attends_tokens:
-            return None
-        return kernel.token_pad_value()
-
-    @staticmethod
-    def _gather_padded(rows: Tensor, pad: Tensor, index: Tensor) -> Tensor:
-        """``rows [B, T, D]`` with ``pad`` (``D`` values) appended as row ``T``, gathered
-        along the tokens at ``index``: ``[B, len(index), D]``. One Concat + Gather in an
-        exported graph; a masked select or index_put of the padded slots costs runtimes a
-        slow broadcast Where (8 % of onnxruntime's time at 512x512) or an unsupported
-        Reshape."""
-        pad = pad.to(rows.dtype).view(1, 1, -1).expand(rows.shape[0], 1, rows.shape[-1])
-        return torch.cat([rows, pad], dim=1).index_select(1, index)
-
-    @staticmethod
-    def _pad_row(kernel, like: Tensor) -> Tensor:
-        """``[1, 1, 3C]``: what a padded token is after ``qkv``."""
-        pad = kernel.pad_value()
-        if pad is None:
-            return like.new_zeros(1, 1, like.shape[-1])
-        return pad.to(like.dtype).view(1, 1, -1)
-
-    def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
-        if symbolic_shapes_enabled():
-            return self._forward_symbolic(x, hw_shape)
-        b, n, c = x.shape
-        # Plain ints even under tracing (ONNX export): the layout and masks are constants of
-        # the input size and are cached by it; traced size tensors would be hashed by id.
-        h, w = int(hw_shape[0]), int(hw_shape[1])
-        b, n, c = int(b), int(n), int(c)
-        if n != h * w:
-            raise ValueError(f'input has {n} tokens but hw_shape {hw_shape} has {h * w}')
-        kernel = self.w_msa
-        lay = self._layout(h, w, x.device)
-        nw, wh, ww = lay['num_windows'], lay['wh'], lay['ww']
-        token_pad = self._export_token_pad()
-        if token_pad is not None:
-            # exported 'split' layout: windows gathered from the C-channel tokens
-            if lay['identity']:
-                rows = x
-            elif not lay['pad_slots'].numel():
-                rows = x.index_select(1, lay['gather'])
-            else:
-                rows = self._gather_padded(x, token_pad, lay['gather_or_pad'])
-            out = kernel.attend_tokens(rows.reshape(b * nw, wh * ww, c), lay['shift_mask'])
-        elif lay['identity']:
-            windows = kernel.qkv(x)
-        elif not lay['pad_slots'].numel():
-            windows = kernel.qkv(x.index_select(1, lay['gather']))
-        elif torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
-            # Exported graphs: qkv on the tokens, one padded row appended, one gather (index
-            # h*w is the padded row).
-            tokens = kernel.qkv(x)  # [B, H*W, 3C]
-            windows = self._gather_padded(tokens, self._pad_row(kernel, tokens),
-                                          lay['gather_or_pad'])
-        else:
-            # Gather the C-channel tokens (a third of the data of qkv), then qkv per slot;
-            # padded slots are overwritten with the value a padded token has after qkv.
-            windows = kernel.qkv(x.index_select(1, lay['gather']))  # [B, nW*N, 3C]
-            windows[:, lay['pad_slots']] = self._pad_row(kernel, windows)
-        if token_pad is None:
-            if not lay['identity']:
-                windows = windows.view(b * nw, wh * ww, 3 * c)
-            out = kernel.attend(windows, nw, (wh, ww), shift_mask=lay['shift_mask'],
-                                valid=lay['valid'],
-                                cache_key=(lay['hp'], lay['wp'], wh, ww, lay['shift'],
-                                           str(x.device)))
-        # out: [B*nW, N, C] or [B*nW, N, heads, d] (a view): one gather back to token order.
-        if lay['identity']:
-            out = out.reshape(b, n, c)
-        else:
-            bidx = lay['bidx']
-            if b > 1:
-                bidx = (bidx + nw * torch.arange(b, device=x.device).view(b, 1)).view(-1)
-                pidx = lay['pidx'].repeat(b)
-            else:
-                pidx = lay['pidx']
-            out = out[bidx, pidx].view(b, n, c)
-        return kernel.proj_drop(kernel.proj(out))
-
-    def _compiled_windows(self, x: Tensor, gather: Tensor, valid: Tensor) -> Tensor:
-        """``[B, nW*N, 3C]`` window slots under ``torch.compile``, in eager's order: the
-        ``C``-channel tokens gathered (a third of the data of ``qkv``'s output), then ``qkv``.
-        A padded slot gathers a zero row, whose ``qkv`` output is the qkv bias: the padded
-        value, except after a folded norm (``qkv_pad``, put in place here) or for kernels that
-        mask padding (any value)."""
-        kernel = self.w_msa
-        windows = kernel.qkv(self._gather_padded(x, x.new_zeros(x.shape[-1]), gather))
-        if kernel.qkv_pad is not None and not kernel.masks_padding:
-            windows = torch.where(valid.reshape(1, -1, 1), windows,
-                                  kernel.qkv_pad.to(windows.dtype))
-        return windows
-
-    # -- shape-generic path (dynamic-size export, torch.compile) -------------------------------
-    def _forward_symbolic(self, x: Tensor, hw_shape) -> Tensor:
-        """:meth:`forward` with every size-dependent quantity computed from ``hw_shape`` in
-        the graph: the same slots, padding values, masks and order as the cached layout.
-        Sizes are tensors when traced for export, dynamo's symbolic ints under
-        ``torch.compile`` (no per-size cache, no ``int()``: one graph for every size)."""
-        kernel = self.w_msa
-        c = kernel.embed_dims
         dev = x.device
         h, w = graph_size(hw_shape[0], dev), graph_size(hw_shape[1], dev)
         wh, ww = self.window_size
@@ -234,6 +165,7 @@ class ShiftWindowAttention(nn.Module):
             s = torch.where(shrunk, 0, s)
         nwh, nww = ceil_div(h, wh), ceil_div(w, ww)
         hp, wp = nwh * wh, nww * ww
+        n = wh * ww
         # padded-frame coordinates of every window slot, window-major: [nWh, nWw, wh, ww]
         row = (torch.arange(nwh, device=dev).view(-1, 1, 1, 1) * wh +
                torch.arange(wh, device=dev).view(1, 1, -1, 1))
@@ -241,33 +173,107 @@ class ShiftWindowAttention(nn.Module):
                torch.arange(ww, device=dev).view(1, 1, 1, -1))
         src_i, src_j = (row + s) % hp, (col + s) % wp
         valid = (src_i < h) & (src_j < w)
-        n = wh * ww
-        gather = torch.where(valid, src_i * w + src_j, h * w).reshape(-1)
-        shift_mask = None
-        if self.shift_size and kernel.uses_shift_mask:
-            # regions the cyclic shift wrapped, by padded coordinate (as _shift_mask)
-            region = (((row >= hp - wh).long() + (row >= hp - s).long()) * 3 +
-                      (col >= wp - ww).long() + (col >= wp - s).long())
-            region = region.reshape(-1, n)  # [nW, N]
-            shift_mask = torch.where(region.unsqueeze(1) != region.unsqueeze(2),
-                                     torch.tensor(-100.0, device=dev),
-                                     torch.tensor(0.0, device=dev)).to(x.dtype)
-        token_pad = self._export_token_pad()
-        if token_pad is not None:  # exported 'split' layout: gather the C-channel tokens
-            windows = self._gather_padded(x, token_pad, gather).reshape(-1, n, c)
-            out = kernel.attend_tokens(windows, shift_mask)
-        else:
-            if compiling():
-                windows = self._compiled_windows(x, gather, valid)
-            else:
-                tokens = kernel.qkv(x)  # [B, H*W, 3C]
-                windows = self._gather_padded(tokens, self._pad_row(kernel, tokens), gather)
-            out = kernel.attend(windows.reshape(-1, n, 3 * c), nwh * nww, (wh, ww),
-                                shift_mask=shift_mask,
-                                valid=valid.reshape(-1, n) if kernel.masks_padding else None)
         # back to token order: the slot of token (r, c) is where the shift moved it
         r = (torch.arange(h, device=dev).view(-1, 1) - s + hp) % hp
         q = (torch.arange(w, device=dev).view(1, -1) - s + wp) % wp
         slot = ((r // wh) * nww + q // ww) * n + (r % wh) * ww + q % ww
-        out = out.reshape(x.shape[0], -1, c).index_select(1, slot.reshape(-1))
+        shift_mask = None
+        if self.shift_size and kernel.uses_shift_mask:
+            shift_mask = shift_window_mask(hp, wp, wh, ww, s, dev).to(x.dtype)
+        # (whether any slot is padded is not known in the graph: taken as padded)
+        return dict(wh=wh, ww=ww, num_windows=nwh * nww, identity=False, padded=True,
+                    gather=None,
+                    gather_or_pad=torch.where(valid, src_i * w + src_j, h * w).reshape(-1),
+                    valid_slots=valid, slot=slot.reshape(-1),
+                    valid=valid.reshape(-1, n) if kernel.masks_padding else None,
+                    cache_key=None, shift_mask=shift_mask)
+
+    @staticmethod
+    def _gather_padded(rows: Tensor, pad: Tensor, index: Tensor) -> Tensor:
+        """``rows [B, T, D]`` with ``pad`` (``D`` values) appended as row ``T``, gathered
+        along the tokens at ``index``: ``[B, len(index), D]``. One Concat + Gather in an
+        exported graph; a masked select or index_put of the padded slots costs runtimes a
+        slow broadcast Where (8 % of onnxruntime's time at 512x512) or an unsupported
+        Reshape."""
+        pad = pad.to(rows.dtype).view(1, 1, -1).expand(rows.shape[0], 1, rows.shape[-1])
+        return torch.cat([rows, pad], dim=1).index_select(1, index)
+
+    def _padded_qkv(self, like: Tensor) -> Tensor:
+        """``[3C]`` padded token after ``qkv`` (zeros where the kernel masks padding)."""
+        pad = self.w_msa.padded_qkv()
+        return like.new_zeros(like.shape[-1]) if pad is None else pad.to(like.dtype)
+
+    def _qkv_windows(self, x: Tensor, lay: dict) -> Tensor:
+        """``[B, nW*N, 3C]`` window slots after ``qkv``."""
+        kernel = self.w_msa
+        if lay['identity']:
+            return kernel.qkv(x)
+        if not lay['padded']:
+            return kernel.qkv(x.index_select(1, lay['gather']))
+        folded_pad = None if kernel.masks_padding else kernel.qkv_pad
+        if compiling():
+            # One graph for every size: a padded slot gathers a zero row, whose qkv output is
+            # the padded value (the bias) unless a folded norm changed it (qkv_pad).
+            windows = kernel.qkv(self._gather_padded(x, x.new_zeros(x.shape[-1]),
+                                                     lay['gather_or_pad']))
+            if folded_pad is not None:
+                windows = torch.where(lay['valid_slots'].reshape(1, -1, 1), windows,
+                                      folded_pad.to(windows.dtype))
+            return windows
+        if exporting() or lay['gather'] is None:
+            # Graphs: qkv on the tokens, the padded row appended, one gather (index h*w)
+            tokens = kernel.qkv(x)  # [B, H*W, 3C]
+            return self._gather_padded(tokens, self._padded_qkv(tokens), lay['gather_or_pad'])
+        # Eager: gather the C-channel tokens (a third of the data of qkv's output), then qkv
+        # per slot; padded slots then take the padded value (kernels that mask padding
+        # ignore them).
+        windows = kernel.qkv(x.index_select(1, lay['gather']))
+        if not kernel.masks_padding:
+            windows[:, lay['pad_slots']] = self._padded_qkv(windows)
+        return windows
+
+    def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
+        """``[B, H*W, C]`` -> ``[B, H*W, C]``."""
+        kernel = self.w_msa
+        c = kernel.embed_dims
+        if symbolic_shapes_enabled():
+            lay = self._graph_layout(x, hw_shape)
+            b, tokens = x.shape[0], x.shape[1]
+        else:
+            # Plain ints even under tracing (ONNX export): the layout and masks are constants
+            # of the input size and are cached by it; traced size tensors would be hashed by id.
+            h, w = int(hw_shape[0]), int(hw_shape[1])
+            b, tokens = int(x.shape[0]), int(x.shape[1])
+            if tokens != h * w:
+                raise ValueError(f'input has {tokens} tokens but hw_shape {hw_shape} has {h * w}')
+            lay = self._layout(h, w, x.device)
+        nw, wh, ww = lay['num_windows'], lay['wh'], lay['ww']
+        n = wh * ww
+        token_pad = split_layout_token(kernel)
+        if token_pad is not None:
+            # exported 'split' layout: windows gathered from the C-channel tokens
+            if lay['identity']:
+                rows = x
+            elif not lay['padded']:
+                rows = x.index_select(1, lay['gather'])
+            else:
+                rows = self._gather_padded(x, token_pad, lay['gather_or_pad'])
+            out = kernel.attend_tokens(rows.reshape(-1, n, c), lay['shift_mask'])
+        else:
+            windows = self._qkv_windows(x, lay).reshape(-1, n, 3 * c)
+            out = kernel.attend(windows, nw, (wh, ww), shift_mask=lay['shift_mask'],
+                                valid=lay['valid'], cache_key=lay['cache_key'])
+        # out: [B*nW, N, C] or [B*nW, N, heads, d] (a view): one gather back to token order.
+        if lay['identity']:
+            out = out.reshape(b, tokens, c)
+        elif 'slot' in lay:
+            out = out.reshape(b, -1, c).index_select(1, lay['slot'])
+        else:
+            bidx = lay['bidx']
+            if b > 1:
+                bidx = (bidx + nw * torch.arange(b, device=x.device).view(b, 1)).view(-1)
+                pidx = lay['pidx'].repeat(b)
+            else:
+                pidx = lay['pidx']
+            out = out[bidx, pidx].view(b, tokens, c)
         return kernel.proj_drop(kernel.proj(out))

@@ -2,7 +2,8 @@
 
 Eager mmslab layers read sizes as Python ints and cache what depends only on them (window
 layouts, shift masks, gathered biases): fast, and a traced graph then holds those as
-constants of one input size. Inside :func:`symbolic_shapes` the same layers compute the
+constants of one input size. Inside ``export_mode(symbolic=True)``
+(:mod:`~mmslab.models.layers.export_mode`) the same layers compute the
 size-dependent parts from the runtime shape instead (padding, window partition and reverse,
 the shift mask, pooling bins), so a graph traced there serves any input size. The two paths
 give the same numbers; ``tests/test_dynamic_export.py`` checks exported graphs against the
@@ -12,42 +13,20 @@ Under tracing ``x.shape[i]`` is a 0-d tensor, so arithmetic on sizes is recorded
 non-negative, where ONNX ``Div`` (truncating) and Python's ``//`` (flooring) agree; ceilings
 are written ``(n + d - 1) // d`` for that reason.
 
-``torch.compile`` takes the same path (:func:`symbolic_shapes_enabled` is true while dynamo
+``torch.compile`` takes the same path (``symbolic_shapes_enabled()`` is true while dynamo
 traces): the eager path's ``int(size)`` conversions and per-size caches would make dynamo
 specialize every stage's graph on its size and recompile at every new one. There sizes stay
 dynamo's (symbolic) ints rather than tensors (:func:`graph_size`), so a graph compiled with
 dynamic shapes serves every input size (``tests/test_compile.py`` counts the compilations).
 """
-from contextlib import contextmanager
-from typing import Iterator, Union
+from typing import Union
 
 import torch
 from torch import Tensor
 
-_enabled = [False]
+from .export_mode import compiling
 
 Size = Union[int, Tensor]
-
-
-@contextmanager
-def symbolic_shapes(enabled: bool = True) -> Iterator[None]:
-    """Run mmslab layers on their shape-generic path inside the ``with`` block."""
-    previous = _enabled[0]
-    _enabled[0] = enabled
-    try:
-        yield
-    finally:
-        _enabled[0] = previous
-
-
-def compiling() -> bool:
-    """Whether dynamo is tracing the call (``torch.compile``, ``torch.export``)."""
-    return torch.compiler.is_compiling()
-
-
-def symbolic_shapes_enabled() -> bool:
-    """Inside :func:`symbolic_shapes`, or while ``torch.compile`` traces."""
-    return _enabled[0] or compiling()
 
 
 def as_size(n: Size, device=None) -> Tensor:

@@ -7,10 +7,8 @@ Parameter names follow mmdet's ``WindowMSA`` (``qkv``, ``proj``,
 ``relative_position_bias_table``, ``relative_position_index``) so mmdet Swin weights load.
 """
 import logging
-import os
 import time
-from contextlib import contextmanager
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -22,60 +20,39 @@ from torch import Tensor
 
 from mmslab.registry import register_model
 from .affine import fold_affine_into_next_linear
-from .deploy import Reparameterizable
-from .symbolic import compiling, symbolic_shapes_enabled
+from .reparameterizable import Reparameterizable
+from .export_mode import (ATTENTION_LAYOUTS, compiling, exporting, symbolic_shapes_enabled,
+                          takes_split_layout, window_softmax_setting)
 
 
-#: How exported graphs lay out window attention (see :func:`exported_attention_layout`).
-ATTENTION_LAYOUTS = ('packed', 'split')
-_layout = ['packed']
-
-
-@contextmanager
-def exported_attention_layout(layout: str) -> Iterator[None]:
-    """The form window softmax attention takes in graphs exported inside the block.
-
-    * ``packed``: ``qkv`` on the tokens, windows gathered from its ``3C`` output, q, k and v
-      taken from one 5-D transpose (the eager computation, written out);
-    * ``split``: windows gathered from the ``C``-channel tokens (a third of the data), then
-      q, k, v as three MatMuls, each followed by the ``(0, 2, 1, 3)`` / ``(0, 2, 3, 1)``
-      transpose of the standard multi-head attention pattern (which OpenVINO's CPU plugin
-      fuses into its attention kernel), the scale folded into q's weights.
-
-    Both compute the same function; which is faster depends on the runtime, precision and
-    CPU, so ``tools/export_onnx.py`` records the choice in ``export.json``.
-    """
-    if layout not in ATTENTION_LAYOUTS:
-        raise ValueError(f'unknown attention layout {layout!r}; valid: {ATTENTION_LAYOUTS}')
-    previous = _layout[0]
-    _layout[0] = layout
-    try:
-        yield
-    finally:
-        _layout[0] = previous
-
-
-def attention_layout() -> str:
-    return _layout[0]
+def _foreign_window_msa_classes() -> tuple:
+    """mmdet's and mmseg's own ``WindowMSA`` classes, those installed."""
+    classes = []
+    for module in ('mmdet.models.backbones.swin', 'mmseg.models.backbones.swin'):
+        try:
+            classes.append(__import__(module, fromlist=['WindowMSA']).WindowMSA)
+        except ImportError:
+            pass
+    return tuple(classes)
 
 
 def attention_layout_report(model: nn.Module, layout: str) -> dict:
-    """What an export in ``layout`` does with each window attention of ``model`` (for
-    ``export.json``): ``{'layout', 'split', 'packed'}``, the counts of mmslab kernels in each
-    form (kernels without the split form, or whose folded norm no token maps to zero, stay
-    packed) and ``mmdet_window_msa``, mmdet's / mmseg's own ``WindowMSA`` modules (in the
-    chosen layout)."""
+    """What an export in ``layout`` (:mod:`~mmslab.models.layers.export_mode`) does with each
+    window attention of ``model`` (for ``export.json``): ``{'layout', 'split', 'packed'}``,
+    the counts of mmslab kernels in each form (kernels without the split form, or whose
+    folded norm no token maps to zero, stay packed) and ``mmdet_window_msa``, mmdet's /
+    mmseg's own ``WindowMSA`` modules (in the chosen layout)."""
     if layout not in ATTENTION_LAYOUTS:
         raise ValueError(f'unknown attention layout {layout!r}; valid: {ATTENTION_LAYOUTS}')
+    foreign_classes = _foreign_window_msa_classes()
     split = packed = foreign = 0
     for m in model.modules():
         if isinstance(m, WindowKernelBase):
-            if layout == 'split' and m.attends_tokens and m.token_pad_value() is not None:
+            if takes_split_layout(m, layout):
                 split += 1
             else:
                 packed += 1
-        elif type(m).__name__ == 'WindowMSA' and type(m).__module__.startswith(('mmdet.',
-                                                                             'mmseg.')):
+        elif foreign_classes and isinstance(m, foreign_classes):
             foreign += 1
     return dict(layout=layout, split=split, packed=packed, mmdet_window_msa=foreign)
 
@@ -101,10 +78,12 @@ class WindowKernelBase(nn.Module):
     value a zero token has after ``qkv``, as in mmdet's Swin) and ``softmax_options`` (the
     constructor takes ``qk_scale`` and ``attn_drop``).
 
-    Buffer ``qkv_pad`` (``[3C]``, only once the block's norm is folded into ``qkv`` and padding
-    is not masked): the value a padded token has after ``qkv``. Padding happens *after* the
-    norm, so a padded slot is a zero normalized token, whose ``qkv`` output is the pre-fold
-    bias; the folded ``qkv`` would give something else.
+    The padded token: a slot of a padded window holds what a zero *normalized* token gives
+    (padding happens after the norm, as in mmdet's Swin). :meth:`padded_qkv` is that slot
+    after ``qkv`` (``[3C]``) and :meth:`padded_token` the raw input token that ``qkv`` maps
+    there (``[C]``). Buffer ``qkv_pad`` (``[3C]``, the state-dict name; only once the block's
+    norm is folded into ``qkv`` and padding is not masked) stores :meth:`padded_qkv`: the
+    pre-fold bias, which the folded ``qkv`` would not give for a zero token.
     """
 
     uses_shift_mask = True
@@ -126,8 +105,9 @@ class WindowKernelBase(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
         self.register_buffer('qkv_pad', None)  # see the class docstring
 
-    def pad_value(self) -> Optional[Tensor]:
-        """``[3C]`` value of a padded token after ``qkv`` (None means zeros)."""
+    def padded_qkv(self) -> Optional[Tensor]:
+        """``[3C]`` value of a padded token after ``qkv``; None for kernels that mask padding
+        (any value serves)."""
         if self.masks_padding:
             return None
         return self.qkv.bias if self.qkv_pad is None else self.qkv_pad
@@ -157,11 +137,12 @@ class WindowKernelBase(nn.Module):
         """
         raise NotImplementedError
 
-    #: Whether :meth:`attend_tokens` exists (the ``split`` exported layout).
+    #: Whether :meth:`attend_tokens` exists (the ``split`` exported layout, see
+    #: :mod:`~mmslab.models.layers.export_mode`).
     attends_tokens = False
 
-    def token_pad_value(self) -> Optional[Tensor]:
-        """``[C]``: the ``qkv`` *input* whose output is :meth:`pad_value`, so windows can be
+    def padded_token(self) -> Optional[Tensor]:
+        """``[C]``: the ``qkv`` *input* whose output is :meth:`padded_qkv`, so windows can be
         gathered before ``qkv``; None if there is none (then the ``packed`` form is used).
 
         Unfolded: the zero token (padding happens after the norm). Folded into ``qkv``: the
@@ -231,28 +212,36 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
         self.register_buffer('relative_position_bias', bias)
         self._mask_cache = {}
 
-    def _attn_mask(self, shift_mask: Optional[Tensor], bw: int, num_windows: int,
-                   dtype: torch.dtype, cache_key=None) -> Tensor:
+    def _bias(self, shift_mask: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+        """``[1 | nW, heads, N, N]``: the position bias (+ each window's shift mask)."""
+        bias = self.position_bias().to(dtype).unsqueeze(0)
+        if shift_mask is not None:
+            bias = bias + shift_mask.to(dtype).unsqueeze(1)
+        return bias
+
+    def _heads(self, qkv: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """``[B', N, 3C]`` -> q, k, v ``[B', heads, N, d]`` (views of one 5-D transpose)."""
+        n = self.window_size[0] * self.window_size[1]
+        return qkv.reshape(-1, n, 3, self.num_heads, self.head_dims).permute(2, 0, 3, 1, 4)
+
+    def _attn_mask(self, shift_mask: Optional[Tensor], bw: int, dtype: torch.dtype,
+                   cache_key=None) -> Tensor:
         """``[B*nW, heads, N, N]`` additive mask: position bias (+ shift mask).
 
         A materialized contiguous 4-D mask keeps PyTorch's fused CPU attention kernel (a 3-D
-        or broadcast 5-D mask falls back to the slow math path). In deploy mode the mask is
-        a constant and cached per batch and padded size.
+        or broadcast 5-D mask falls back to the slow math path). In eager deploy mode the mask
+        is a constant and cached per batch and padded size.
         """
         key = None
-        if self.deploy and (cache_key is not None or shift_mask is None):
-            key = (bw, num_windows, cache_key, dtype)
+        if self.deploy and not compiling() and (cache_key is not None or shift_mask is None):
+            key = (bw, cache_key, dtype)
             mask = self._mask_cache.get(key)
             if mask is not None:
                 return mask
-        bias = self.position_bias().to(dtype)
+        bias = self._bias(shift_mask, dtype)
         n = bias.shape[-1]
-        if shift_mask is None:
-            mask = bias.unsqueeze(0).expand(bw, -1, -1, -1)
-        else:
-            mask = (bias.unsqueeze(0) + shift_mask.to(dtype).unsqueeze(1))  # [nW, h, N, N]
-            mask = mask.unsqueeze(0).expand(bw // num_windows, -1, -1, -1, -1).reshape(
-                bw, self.num_heads, n, n)
+        mask = bias.unsqueeze(0).expand(bw // bias.shape[0], -1, -1, -1, -1).reshape(
+            bw, self.num_heads, n, n)
         if key is not None:
             if len(self._mask_cache) > 8:
                 self._mask_cache.clear()
@@ -263,69 +252,51 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
     def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
                shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
                cache_key=None) -> Tensor:
-        if compiling():
-            return self._attend_compiled(qkv, shift_mask)
-        if symbolic_shapes_enabled():
-            return self._attend_symbolic(qkv, shift_mask)
-        bw, n = int(qkv.shape[0]), int(qkv.shape[1])  # constants under tracing (see caller)
-        if window_hw != self.window_size:
+        q, k, v = self._heads(qkv)
+        if symbolic_shapes_enabled() and not compiling():
+            return self._attend_broadcast(q, k, v, shift_mask)
+        if not compiling() and window_hw != self.window_size:
             raise ValueError(f'WindowMSA with window {self.window_size} got windows {window_hw}')
-        q, k, v = qkv.view(bw, n, 3, self.num_heads, self.head_dims).permute(2, 0, 3, 1, 4)
-        mask = self._attn_mask(shift_mask, bw, num_windows, q.dtype, cache_key)
-        if self.training and self.attn_drop > 0:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                 dropout_p=self.attn_drop, scale=self.scale)
+        # Eager and compiled: PyTorch's fused attention on a materialized 4-D mask (compiled
+        # graphs compute it for any number of windows; eager caches it per size).
+        mask = self._attn_mask(shift_mask, q.shape[0], q.dtype, cache_key)
+        if self.training or compiling():
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scale,
+                dropout_p=self.attn_drop if self.training else 0.0)
         else:
             impl = choose_window_softmax(q, k, v, mask, self.scale)
             out = WINDOW_SOFTMAX_IMPLS[impl](q, k, v, mask, self.scale)
         return out.transpose(1, 2)  # [B', N, heads, d] view; the caller gathers it
 
-    def _attend_compiled(self, qkv: Tensor, shift_mask: Optional[Tensor]) -> Tensor:
-        """:meth:`attend` under ``torch.compile``, for any number of windows: PyTorch's fused
-        attention (attention dropout in training, as eager) on a 4-D bias (+ shift mask)
-        computed in the graph (no per-size cache)."""
-        n = self.window_size[0] * self.window_size[1]
-        q, k, v = qkv.reshape(-1, n, 3, self.num_heads, self.head_dims).permute(2, 0, 3, 1, 4)
-        mask = self.position_bias().to(q.dtype).unsqueeze(0)  # [1, heads, N, N]
-        if shift_mask is not None:
-            mask = mask + shift_mask.to(q.dtype).unsqueeze(1)  # [nW, heads, N, N]
-        mask = mask.unsqueeze(0).expand(q.shape[0] // mask.shape[0], -1, -1, -1, -1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask.reshape(-1, self.num_heads, n, n), scale=self.scale,
-            dropout_p=self.attn_drop if self.training else 0.0)
-        return out.transpose(1, 2)
-
-    def _attend_symbolic(self, qkv: Tensor, shift_mask: Optional[Tensor]) -> Tensor:
-        """:meth:`attend` for any number of windows (dynamic-size export): matmul + softmax
-        with the bias (+ a ``[nW, N, N]`` shift mask) broadcast over the batch."""
-        n = self.window_size[0] * self.window_size[1]
-        q, k, v = qkv.reshape(-1, n, 3, self.num_heads, self.head_dims).permute(2, 0, 3, 1, 4)
+    def _attend_broadcast(self, q: Tensor, k: Tensor, v: Tensor,
+                          shift_mask: Optional[Tensor]) -> Tensor:
+        """Dynamic-size export, any number of windows: matmul + softmax with the bias
+        (+ the ``[nW, N, N]`` shift mask) broadcast over the images, never materialized."""
+        n = q.shape[-2]
         attn = (q * self.scale) @ k.transpose(-2, -1)  # [B*nW, heads, N, N]
-        bias = self.position_bias().to(attn.dtype)
+        bias = self._bias(shift_mask, attn.dtype)
         if shift_mask is None:
-            attn = attn + bias
+            attn = attn + bias[0]
         else:
-            mask = bias + shift_mask.to(attn.dtype).unsqueeze(1)  # [nW, heads, N, N]
-            attn = (attn.reshape(-1, shift_mask.shape[0], self.num_heads, n, n) + mask)
+            attn = (attn.reshape(-1, shift_mask.shape[0], self.num_heads, n, n) + bias)
             attn = attn.reshape(-1, self.num_heads, n, n)
         return (attn.softmax(dim=-1) @ v).transpose(1, 2)
 
     attends_tokens = True
 
     def attend_tokens(self, windows: Tensor, shift_mask: Optional[Tensor] = None) -> Tensor:
-        """The ``split`` exported layout (:func:`exported_attention_layout`): window tokens
-        *before* ``qkv`` ``[nW, N, C]`` -> ``[nW, N, C]`` (one image), any number of
+        """The ``split`` exported layout (:mod:`~mmslab.models.layers.export_mode`): window
+        tokens *before* ``qkv`` ``[nW, N, C]`` -> ``[nW, N, C]`` (one image), any number of
         windows."""
         n = self.window_size[0] * self.window_size[1]
         q, k, v = split_qkv(self.qkv, windows, n, self.num_heads, self.scale)
         attn = q @ k  # [B', heads, N, N]
-        bias = self.position_bias().to(attn.dtype)
-        if shift_mask is not None:
-            # Exports take one image, so B' = nW and the [nW, heads, N, N] mask adds as is:
-            # MatMul -> Add -> Softmax -> MatMul, with no reshape for runtimes to fuse over
-            # (a batch of several images fails on the shapes, never silently).
-            bias = bias + shift_mask.to(attn.dtype).unsqueeze(1)
-        out = (attn + bias).softmax(dim=-1) @ v  # [B', heads, N, d]
+        # Exports take one image, so B' = nW and the [nW, heads, N, N] bias adds as is:
+        # MatMul -> Add -> Softmax -> MatMul, with no reshape for runtimes to fuse over
+        # (a batch of several images fails on the shapes, never silently).
+        bias = self._bias(shift_mask, attn.dtype)
+        out = (attn + (bias[0] if shift_mask is None else bias)).softmax(dim=-1) @ v
         return out.transpose(1, 2).reshape(-1, n, self.embed_dims)
 
 
@@ -370,19 +341,16 @@ def window_softmax_choices() -> dict:
 def choose_window_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> str:
     """Pick the faster implementation for this shape by timing both once on these inputs.
 
-    The choice is cached per (windows, heads, tokens, head dims, dtype, device, grad). The
-    environment variable ``MMSLAB_WINDOW_SOFTMAX=sdpa|matmul`` forces one. While exporting
-    (ONNX, tracing) or with gradients (training), no timing: export uses ``matmul`` (plain
-    ops every runtime fuses its own way), training uses ``sdpa`` (its backward is fused).
+    The choice is cached per (windows, heads, tokens, head dims, dtype, device, grad).
+    ``export_mode(window_softmax='sdpa'|'matmul')`` (or ``MMSLAB_WINDOW_SOFTMAX``, the
+    process default) forces one. While exporting (ONNX, tracing) or with gradients
+    (training), no timing: export uses ``matmul`` (plain ops every runtime fuses its own
+    way), training uses ``sdpa`` (its backward is fused).
     """
-    forced = os.environ.get('MMSLAB_WINDOW_SOFTMAX', 'auto')
+    forced = window_softmax_setting()
     if forced != 'auto':
-        if forced not in WINDOW_SOFTMAX_IMPLS:
-            raise ValueError(f'MMSLAB_WINDOW_SOFTMAX={forced!r}; valid: auto, '
-                             f'{", ".join(WINDOW_SOFTMAX_IMPLS)}')
         return forced
-    if torch.onnx.is_in_onnx_export() or torch.jit.is_tracing() or \
-            torch.compiler.is_compiling():
+    if exporting() or compiling():
         return 'matmul'
     if torch.is_grad_enabled() and q.requires_grad:
         return 'sdpa'

@@ -1,0 +1,114 @@
+"""How mmslab layers run while a graph is made of them: one state, one context manager.
+
+Three choices change the form a layer takes (never its numbers):
+
+* ``layout`` (``packed`` | ``split``): the form window softmax attention takes in graphs
+  exported inside the block.
+
+  - ``packed``: ``qkv`` on the tokens, windows gathered from its ``3C`` output, q, k and v
+    taken from one 5-D transpose (the eager computation, written out);
+  - ``split``: windows gathered from the ``C``-channel tokens (a third of the data), then
+    q, k, v as three MatMuls, each followed by the ``(0, 2, 1, 3)`` / ``(0, 2, 3, 1)``
+    transpose of the standard multi-head attention pattern (which OpenVINO's CPU plugin
+    fuses into its attention kernel), the scale folded into q's weights. A kernel takes it
+    when it has the form (``attends_tokens``) and some raw token is what a padded slot holds
+    after ``qkv`` (:meth:`~mmslab.models.layers.window_attention.WindowKernelBase.padded_token`).
+
+  Which is faster depends on the runtime, precision and CPU, so ``tools/export_onnx.py``
+  records the choice in ``export.json``. Only graphs being traced take it: eager and compiled
+  runs always compute the packed form.
+* ``symbolic`` (bool): layers compute every size-dependent quantity (padding, window
+  partition, shift mask, pooling bins) from the runtime shape, so a traced graph serves any
+  input size (see :mod:`mmslab.models.layers.symbolic`). ``torch.compile`` takes the same
+  path while dynamo traces.
+* ``window_softmax`` (``auto`` | ``sdpa`` | ``matmul``): how eager window softmax attention
+  is computed; ``auto`` times both once per shape
+  (:func:`~mmslab.models.layers.window_attention.choose_window_softmax`). The process
+  default comes from the environment variable ``MMSLAB_WINDOW_SOFTMAX``, read once here at
+  import; layers never read the environment.
+
+Use :func:`export_mode` to set any of them for a ``with`` block; :func:`current_export_mode`
+reads them.
+"""
+import os
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+
+ATTENTION_LAYOUTS = ('packed', 'split')
+WINDOW_SOFTMAX_CHOICES = ('auto', 'sdpa', 'matmul')
+
+
+def _checked_window_softmax(value: str, source: str) -> str:
+    if value not in WINDOW_SOFTMAX_CHOICES:
+        raise ValueError(f'{source}={value!r}; valid: {", ".join(WINDOW_SOFTMAX_CHOICES)}')
+    return value
+
+
+_state = dict(layout='packed', symbolic=False,
+              window_softmax=_checked_window_softmax(
+                  os.environ.get('MMSLAB_WINDOW_SOFTMAX', 'auto'), 'MMSLAB_WINDOW_SOFTMAX'))
+
+
+@contextmanager
+def export_mode(layout: Optional[str] = None, symbolic: Optional[bool] = None,
+                window_softmax: Optional[str] = None) -> Iterator[None]:
+    """Set the given choices (``None`` keeps the current one) inside the ``with`` block; the
+    previous ones are restored on every exit path."""
+    if layout is not None and layout not in ATTENTION_LAYOUTS:
+        raise ValueError(f'unknown attention layout {layout!r}; valid: {ATTENTION_LAYOUTS}')
+    if window_softmax is not None:
+        _checked_window_softmax(window_softmax, 'window_softmax')
+    changes = {k: v for k, v in dict(layout=layout, symbolic=symbolic,
+                                     window_softmax=window_softmax).items() if v is not None}
+    previous = dict(_state)
+    _state.update(changes)
+    try:
+        yield
+    finally:
+        _state.clear()
+        _state.update(previous)
+
+
+def current_export_mode() -> dict:
+    """``{'layout', 'symbolic', 'window_softmax'}`` as set now."""
+    return dict(_state)
+
+
+def attention_layout() -> str:
+    return _state['layout']
+
+
+def window_softmax_setting() -> str:
+    return _state['window_softmax']
+
+
+def compiling() -> bool:
+    """Whether dynamo is tracing the call (``torch.compile``, ``torch.export``)."""
+    return torch.compiler.is_compiling()
+
+
+def exporting() -> bool:
+    """Whether the call is being traced into a graph (ONNX export, ``torch.jit.trace``)."""
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+
+
+def symbolic_shapes_enabled() -> bool:
+    """Layers take the shape-generic path: ``symbolic=True``, or ``torch.compile`` traces."""
+    return _state['symbolic'] or compiling()
+
+
+def takes_split_layout(kernel, layout: str) -> bool:
+    """Whether a window kernel is exported in the ``split`` form under ``layout``."""
+    return (layout == 'split' and kernel.attends_tokens and
+            kernel.padded_token() is not None)
+
+
+def split_layout_token(kernel):
+    """``[C]`` padded token of a kernel exported now in the ``split`` layout, or None when it
+    takes the ``packed`` form (not exporting, the other layout, no split form, or a folded
+    norm that no raw token maps to zero)."""
+    if not exporting() or _state['layout'] != 'split' or not kernel.attends_tokens:
+        return None
+    return kernel.padded_token()
