@@ -322,7 +322,11 @@ def dataset_meta(cfg) -> dict:
     dataset = cfg.test_dataloader.dataset
     while 'dataset' in dataset and 'type' in dataset and 'Wrapper' in str(dataset.type):
         dataset = dataset.dataset
-    cls = DATASETS.get(dataset.type)
+    dataset_type = dataset.type
+    if isinstance(dataset_type, str) and '.' not in dataset_type:
+        # the config's codebase: mmengine's root registry alone does not find mmseg's datasets
+        dataset_type = f"{cfg.get('default_scope', 'mmdet')}.{dataset_type}"
+    cls = DATASETS.get(dataset_type) if isinstance(dataset_type, str) else dataset_type
     meta = dict(getattr(cls, 'METAINFO', {}) or {})
     meta.update(dataset.get('metainfo', None) or {})
     classes = list(meta.get('classes', []))
