@@ -24,7 +24,7 @@ from deploy_speed import (MASK_RCNN_CONFIGS, MMDET_MASK_RCNN, build_upernet,
                           mmdet_config)
 from mmslab.deploy import export_onnx, torch_outputs
 from mmslab.deploy.compare import compare_outputs
-from mmslab.deploy.runtimes import OnnxRuntimeModel, OpenVINOModel, convert_to_openvino
+from mmslab.deploy.runtimes import convert_to_openvino, open_model
 from mmslab.utils.machine import machine_info
 
 DETECTOR_SIZES = [(800, 1216), (1216, 800), (800, 1344), (608, 1344)]
@@ -60,9 +60,10 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as tmp:
             path = osp.join(tmp, 'model.onnx')
             names = export_onnx(model, 'model', trace, path, dynamic=True)
-            runtimes = dict(onnxruntime=OnnxRuntimeModel(path, args.threads),
-                            openvino=OpenVINOModel(convert_to_openvino(
-                                path, osp.join(tmp, 'openvino')), args.threads))
+            runtimes = dict(onnxruntime=open_model(path, 'onnxruntime', threads=args.threads),
+                            openvino=open_model(convert_to_openvino(
+                                path, osp.join(tmp, 'openvino')), 'openvino',
+                                threads=args.threads))
             bar = ProgressBar(len(sizes))
             for size in sizes:
                 x = torch.randn(1, 3, *size)

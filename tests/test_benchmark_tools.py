@@ -303,3 +303,28 @@ def test_backbone_speed_groups_precisions_and_batch_sizes(tmp_path, monkeypatch)
                                            res['RePa-Swin-T fused']['median_ms'])
     assert report['device'] == 'cpu' and 'gpu' not in report['machine']
     assert osp.isfile(tmp_path / 'backbone_speed.json')
+
+
+def test_deploy_speed_ratios_carry_their_spread_and_call_a_tie_a_tie(capsys):
+    """benchmarks/deploy_speed.py: ratio of medians, [min, max] of the per-round ratios, and a
+    verdict that says 'tie' when the rounds disagree about the target."""
+    deploy_speed = load_script('benchmarks/deploy_speed.py')
+    control = [10.0, 10.0, 10.0, 10.0]
+    res = {('LN Swin-T', 'eager'): control,
+           ('mmdet Swin-T', 'eager'): [11.0, 11.0, 11.0, 11.0],
+           ('PRepBN-Swin-T', 'eager'): [9.0, 10.5, 10.0, 9.8],  # rounds disagree
+           ('SLAB-Swin-T', 'eager'): [12.0, 12.5, 11.0, 12.0]}  # slower in every round
+    checks = {t['what']: t for t in deploy_speed.targets(res, ['eager'], 'backbone')}
+    tie = checks['LN control / PRepBN-Swin-T, eager']
+    assert tie['ratio'] == pytest.approx(10.0 / 9.9)
+    assert tie['spread'] == pytest.approx([10.0 / 10.5, 10.0 / 9.0])
+    assert tie['verdict'] == 'tie'
+    loss = checks['LN control / SLAB-Swin-T, eager']
+    assert loss['spread'][1] == pytest.approx(10.0 / 11.0) and loss['verdict'] == 'NOT met'
+    win = checks['mmdet Swin-T / PRepBN-Swin-T, eager']
+    assert win['spread'][0] == pytest.approx(11.0 / 10.5) and win['verdict'] == 'met'
+    rows = [dict(kind='backbone', shape='512x512', model=m, runtime=rt,
+                 **deploy_speed.summarize(ms)) for (m, rt), ms in res.items()]
+    deploy_speed.print_table(rows, 'backbone', '512x512', ['eager'])
+    out = capsys.readouterr().out
+    assert '9.9 (9-10)' in out and '12.0 (11-12)' in out

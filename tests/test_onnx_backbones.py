@@ -15,7 +15,7 @@ import mmslab
 from conftest import randomize_weights
 from mmslab.deploy import export_onnx
 from mmslab.deploy.onnx_export import make_exportable
-from mmslab.deploy.runtimes import weight_layers
+from mmslab.deploy.quantize import weight_layers
 from mmslab.models.layers.window_attention import attention_layout_report
 from presets import PRESETS, PVT_TINY, build_preset
 

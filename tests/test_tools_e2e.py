@@ -271,8 +271,10 @@ def test_summarize_run_shows_the_deployed_forms(tmp_path, capsys):
     (work / 'export').mkdir()
     ms = {'eager fp32': 2461.0, 'onnxruntime fp32': 1900.0, 'onnxruntime int8': 1300.0,
           'openvino fp32': 1500.0, 'openvino int8': 600.0}
-    (work / 'export' / 'export.json').write_text(json.dumps(
-        dict(latency=dict(shape='800x1333', input=[800, 1344], repeat=3, median_ms=ms))))
+    (work / 'export' / 'export.json').write_text(json.dumps(dict(
+        schema_version=1, part='model', task='instance_segmentation',
+        outputs=['dets', 'labels', 'masks'], shape=[800, 1344], dynamic=True,
+        latency=dict(shape='800x1333', input=[800, 1344], repeat=3, median_ms=ms))))
     deployed = work / 'deployed_openvino_int8'
     deployed.mkdir()
     (deployed / 'metrics.json').write_text(json.dumps(

@@ -16,6 +16,7 @@ import glob
 import json
 import os.path as osp
 
+from mmslab.deploy.export_info import read_export_info
 from mmslab.utils.plotting import grouped_bars, saved_figure
 
 
@@ -102,10 +103,9 @@ def deployed_rows(work_dir, fused_metrics=None):
     deployed model's metrics (``metrics.json``) and per-image latency on the test images
     (``latency.json``); printed, returned for the summary and the plot."""
     rows = {}
-    export_json = osp.join(work_dir, 'export', 'export.json')
-    if osp.exists(export_json):
-        with open(export_json) as f:
-            latency = json.load(f).get('latency')
+    export_dir = osp.join(work_dir, 'export')
+    if osp.exists(osp.join(export_dir, 'export.json')):
+        latency = read_export_info(export_dir).get('latency')
         if latency:
             ms = latency['median_ms']
             eager = ms.get('eager fp32')

@@ -27,7 +27,6 @@ Writing the artifacts is the export side: ``tools/export_onnx.py`` with
 :func:`convert_to_openvino` (the IR of the ONNX file) and :mod:`mmslab.deploy.quantize`
 (calibration and INT8, which need the model).
 """
-import importlib
 import os
 import os.path as osp
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -258,15 +257,3 @@ def pad_to_shape(image: np.ndarray, shape: Sequence[int]) -> np.ndarray:
                          f'exported static shape {eh}x{ew}: export with --dynamic, or with '
                          '--shape H W at least as large as the images')
     return np.pad(image, ((0, 0), (0, 0), (0, eh - h), (0, ew - w)))
-
-
-# Calibration and quantization moved to mmslab.deploy.quantize (they need the model); their
-# old import path from here still resolves, on first use.
-_MOVED = ('WEIGHT_OPS', 'calibration_images', 'check_quantizer_ranges', 'preprocessed_images',
-          'quantize_onnxruntime', 'quantize_openvino', 'weight_layers')
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        return getattr(importlib.import_module('mmslab.deploy.quantize'), name)
-    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -1,7 +1,10 @@
 """Linear-complexity window attentions: simplified linear attention (SLA) and BiNorm.
 
 Both compute ``K^T V`` first, so time and memory grow linearly with the tokens per window,
-and both exclude padded tokens exactly (padding never changes the valid tokens' outputs).
+and both exclude padded tokens exactly (padding never changes the valid tokens' outputs):
+padded slots reach them as zeros (``masks_padding``, see
+:class:`~mmslab.models.layers.window_attention.WindowKernelBase`), so ``V`` is zero there in
+``K^T V`` and in SLA's DWC, and only SLA's normalizer ``sum relu(k + p)`` needs the mask.
 
 Neither has anything of its own to fuse: ``deploy`` only matters to the block, which folds
 its norm into ``qkv`` (giving it a bias). Their ``switch_to_deploy()`` is therefore a no-op
@@ -19,6 +22,19 @@ from mmslab.registry import register_model
 from .reparameterizable import Reparameterizable
 from .export_mode import symbolic_shapes_enabled
 from .window_attention import WindowKernelBase
+
+
+def _key_sum(k: Tensor, valid: Optional[Tensor]) -> Tensor:
+    """``[B*nW, N, C]`` keys -> ``[B*nW, 1, C]``, their sum over the window's valid tokens.
+
+    With padding, one ``[nW, 1, N] @ [B, nW, N, C]`` product with the valid mask: the mask
+    costs no pass of its own over the keys (a padded slot's key is ``relu(0 + p)``, not 0).
+    """
+    if valid is None:
+        return k.sum(dim=-2, keepdim=True)
+    nw, n, c = valid.shape[0], k.shape[-2], k.shape[-1]
+    keep = valid.to(k.dtype).view(nw, 1, n)
+    return (keep @ k.reshape(-1, nw, n, c)).reshape(-1, 1, c)
 
 
 def _split_heads(t: Tensor, num_heads: int) -> Tensor:
@@ -98,11 +114,7 @@ class SLA(Reparameterizable, WindowKernelBase):
         with torch.autocast(device_type=qkv.device.type, enabled=False):
             q = F.relu(q.to(dtype))
             k = (k.to(dtype) + pos.to(dtype)).relu_()
-            v = v.to(dtype)
-            if valid is not None:  # [nW, N]: padded tokens add nothing to the sums or the DWC
-                keep = valid.to(k.dtype).repeat(bw // num_windows, 1).unsqueeze(-1)
-                k = k * keep
-                v = v * keep
+            v = v.to(dtype)  # zero in padded slots (the caller's contract, see WindowKernelBase)
             # The shared per-head DWC is one depth-wise conv over all C channels (weights tiled
             # over heads), run on a channels-last view of V: no head split, no copy.
             v_map = v.view(bw, wh, ww, c).permute(0, 3, 1, 2)
@@ -111,8 +123,8 @@ class SLA(Reparameterizable, WindowKernelBase):
             dwc = F.conv2d(v_map, weight, bias, padding=self.dwc.padding, groups=c)
             dwc = dwc.permute(0, 2, 3, 1).reshape(bw, n, h, d)
             qh, kh, vh = (_split_heads(t, h) for t in (q, k, v))
-            kv = kh.transpose(-2, -1) @ vh  # [B', h, d, d]
-            z = kh.sum(dim=-2).unsqueeze(-1)  # [B', h, d, 1]
+            kv = kh.transpose(-2, -1) @ vh  # [B', h, d, d]: padded slots add nothing (v = 0)
+            z = _key_sum(k, valid).view(bw, 1, h, d).permute(0, 2, 3, 1)  # [B', h, d, 1]
             # Numerator and normalizer from one product: q [S | z].
             num = qh @ torch.cat([kv, z], dim=-1)  # [B', h, N, d + 1]
             out = num[..., :d] / (num[..., d:] + self.eps)
@@ -145,7 +157,6 @@ class BiNormAttention(Reparameterizable, WindowKernelBase):
     def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
                shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
                cache_key=None) -> Tensor:
-        bw = qkv.shape[0]
         # K^T V sums over every token of the window (3136 in a 56 x 56 one): in float16 it
         # overflows, and the L2 norms after it lose precision; float32 even under autocast.
         # (Casts only where the dtype differs: fp32 graphs stay as they were.)
@@ -153,8 +164,7 @@ class BiNormAttention(Reparameterizable, WindowKernelBase):
         low = qkv.dtype != dtype
         with torch.autocast(device_type=qkv.device.type, enabled=False):
             q, k, v = (qkv.to(dtype) if low else qkv).split(self.embed_dims, dim=-1)
-            if valid is not None:
-                k = k * valid.to(k.dtype).repeat(bw // num_windows, 1).unsqueeze(-1)
+            # padded slots hold zeros (the caller's contract): they add nothing to K^T V
             q, k, v = (_split_heads(t, self.num_heads) for t in (q, k, v))
             kv = F.normalize(k.transpose(-2, -1) @ v, dim=-2, eps=self.eps)  # key channels
             out = F.normalize(q, dim=-1, eps=self.eps) @ kv

@@ -1,5 +1,5 @@
 """(Shifted-)window partitioning around any window attention kernel."""
-from typing import Optional, Tuple
+from typing import Tuple
 
 import numpy as np
 import torch
@@ -210,26 +210,26 @@ class ShiftWindowAttention(nn.Module):
             return kernel.qkv(x)
         if not lay['padded']:
             return kernel.qkv(x.index_select(1, lay['gather']))
-        folded_pad = None if kernel.masks_padding else kernel.qkv_pad
+        # the value padded slots must hold where a zero row's qkv output (the bias) is not it
+        pad = kernel.qkv.weight.new_zeros(kernel.qkv.out_features) if kernel.masks_padding \
+            else kernel.qkv_pad
         if compiling():
             # One graph for every size: a padded slot gathers a zero row, whose qkv output is
-            # the padded value (the bias) unless a folded norm changed it (qkv_pad).
+            # the bias, then takes the padded value where that differs.
             windows = kernel.qkv(self._gather_padded(x, x.new_zeros(x.shape[-1]),
                                                      lay['gather_or_pad']))
-            if folded_pad is not None:
+            if pad is not None:
                 windows = torch.where(lay['valid_slots'].reshape(1, -1, 1), windows,
-                                      folded_pad.to(windows.dtype))
+                                      pad.to(windows.dtype))
             return windows
         if exporting() or lay['gather'] is None:
             # Graphs: qkv on the tokens, the padded row appended, one gather (index h*w)
             tokens = kernel.qkv(x)  # [B, H*W, 3C]
             return self._gather_padded(tokens, self._padded_qkv(tokens), lay['gather_or_pad'])
         # Eager: gather the C-channel tokens (a third of the data of qkv's output), then qkv
-        # per slot; padded slots then take the padded value (kernels that mask padding
-        # ignore them).
+        # per slot; padded slots then take the padded value (a scatter over them only).
         windows = kernel.qkv(x.index_select(1, lay['gather']))
-        if not kernel.masks_padding:
-            windows[:, lay['pad_slots']] = self._padded_qkv(windows)
+        windows[:, lay['pad_slots']] = self._padded_qkv(windows)
         return windows
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:

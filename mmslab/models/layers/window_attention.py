@@ -74,8 +74,9 @@ class WindowKernelBase(nn.Module):
     ``proj`` to the unpadded result.
 
     Class attributes: ``uses_shift_mask`` (mask the cyclic-shift seams, Swin style),
-    ``masks_padding`` (padded tokens are excluded from the attention; otherwise they take the
-    value a zero token has after ``qkv``, as in mmdet's Swin) and ``softmax_options`` (the
+    ``masks_padding`` (padded tokens are excluded from the attention: their slots reach
+    :meth:`attend` as zeros, and ``valid`` marks them; otherwise they take the value a zero
+    token has after ``qkv``, as in mmdet's Swin) and ``softmax_options`` (the
     constructor takes ``qk_scale`` and ``attn_drop``).
 
     The padded token: a slot of a padded window holds what a zero *normalized* token gives
@@ -107,7 +108,7 @@ class WindowKernelBase(nn.Module):
 
     def padded_qkv(self) -> Optional[Tensor]:
         """``[3C]`` value of a padded token after ``qkv``; None for kernels that mask padding
-        (any value serves)."""
+        (their padded slots hold zeros)."""
         if self.masks_padding:
             return None
         return self.qkv.bias if self.qkv_pad is None else self.qkv_pad
