@@ -93,7 +93,8 @@ def test_kernel_without_a_padding_token_stays_packed_and_exact(tmp_path):
     assert kernel.padded_token() is None
     report = attention_layout_report(model, 'split')
     total = sum(isinstance(m, WindowMSA) for m in model.modules())
-    assert report == dict(layout='split', split=total - 1, packed=1, mmdet_window_msa=0)
+    assert report == dict(layout='split', split=total - 1, packed=1, mmdet_window_msa=0,
+                          linear_attention=dict(heads=0, blockdiag=0))
     path = str(tmp_path / 'split.onnx')
     export_onnx(model, 'backbone', (75, 106), path, dynamic=True, attention='split')
     for r, o in zip(refs[0], run_onnx(path, inputs[0])):

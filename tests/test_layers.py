@@ -14,6 +14,7 @@ from mmslab.models.layers import (SLA, ChannelIdleFFN, PRepBN, RepBN,
                                   ShiftWindowAttention, TokenBN, WindowMSA, build_norm,
                                   fold_affine_into_next_conv, fold_affine_into_next_linear,
                                   fold_affine_into_prev)
+from mmslab.models.layers.export_mode import export_mode, linear_attention_form
 
 
 def randomize_bn(bn: nn.modules.batchnorm._BatchNorm, gen=None):
@@ -259,18 +260,40 @@ def naive_sla(qkv, pos, dwc, num_heads, grid, valid=None):
     return out + dw.permute(2, 3, 0, 1).reshape(gh * gw, c)
 
 
-def test_sla_matches_naive_quadratic_computation():
+@pytest.mark.parametrize('form', ['heads', 'blockdiag'])
+@pytest.mark.parametrize('heads', [1, 2, 4])
+def test_sla_matches_naive_quadratic_computation(form, heads):
+    """Both forms of the per-head products (export_mode's linear_attention), on the packed
+    qkv and on its three parts (what graphs pass)."""
     torch.manual_seed(3)
-    sla = SLA(16, 2, 4).double()
+    sla = SLA(16, heads, 4).double()
     nn.init.normal_(sla.positional_encoding, std=0.5)
     qkv = torch.randn(3, 16, 48, dtype=torch.float64)
-    out = sla.attend(qkv, 3, (4, 4)).reshape(3, 16, 16)
+    with export_mode(linear_attention=form):
+        assert linear_attention_form(sla) == form
+        out = sla.attend(qkv, 3, (4, 4)).reshape(3, 16, 16)
+        parts = sla.attend(qkv.split(16, dim=-1), 3, (4, 4)).reshape(3, 16, 16)
+    assert torch.equal(out, parts)
     for b in range(3):
-        ref = naive_sla(qkv[b], sla.positional_encoding[0], sla.dwc, 2, (4, 4))
+        ref = naive_sla(qkv[b], sla.positional_encoding[0], sla.dwc, heads, (4, 4))
         assert rel_err(out[b], ref) <= 1e-10
 
 
-def test_sla_padding_does_not_change_valid_tokens():
+def test_linear_attention_form_auto_follows_the_head_count():
+    assert linear_attention_form(SLA(192, 6, 7)) == 'blockdiag'
+    assert linear_attention_form(SLA(256, 8, 7)) == 'heads'
+    with pytest.raises(ValueError, match="valid: \\('auto', 'heads', 'blockdiag'\\)"):
+        with export_mode(linear_attention='fused'):
+            pass
+
+
+@pytest.mark.parametrize('form', ['heads', 'blockdiag'])
+def test_sla_padding_does_not_change_valid_tokens(form):
+    with export_mode(linear_attention=form):
+        check_sla_padding()
+
+
+def check_sla_padding():
     torch.manual_seed(4)
     attn = ShiftWindowAttention(16, 2, 8, attn_type='sla').double()
     nn.init.normal_(attn.w_msa.positional_encoding, std=0.5)

@@ -16,6 +16,7 @@ from conftest import randomize_weights
 from mmslab.deploy import export_onnx
 from mmslab.deploy.onnx_export import make_exportable
 from mmslab.deploy.quantize import weight_layers
+from mmslab.models.layers import WindowKernelBase
 from mmslab.models.layers.window_attention import attention_layout_report
 from presets import PRESETS, PVT_TINY, build_preset
 
@@ -55,8 +56,10 @@ def test_fused_onnx_backbone_matches_unfused_model(name, shape, tmp_path):
     constants = {o for n in graph.node if n.op_type == 'Constant' for o in n.output}
     layers = [n for n in graph.node if n.op_type in ('MatMul', 'Gemm', 'Conv')]
     assert not [n.name for n in layers if n.input[1] in constants]
-    # (the default 'split' attention layout writes each window block's qkv as three MatMuls)
-    split_blocks = attention_layout_report(model, 'split')['split']
+    # (the default 'split' attention layout writes each window block's qkv as three MatMuls,
+    # and so do the kernels that mask padding, SLA and BiNorm, in every layout)
+    split_blocks = attention_layout_report(model, 'split')['split'] + sum(
+        isinstance(m, WindowKernelBase) and m.masks_padding for m in model.modules())
     assert len(weight_layers(path)) == 2 * split_blocks + sum(
         isinstance(m, torch.nn.Linear) or (isinstance(m, torch.nn.Conv2d) and m.groups == 1)
         for m in model.modules())

@@ -26,7 +26,7 @@ from ..layers.builder import build_norm, check_norm_cfg, is_foldable_norm, resol
 from ..layers.reparameterizable import Reparameterizable
 from ..layers.linear_attention import SLA
 from ..layers.patch import PatchEmbed
-from ..layers.export_mode import symbolic_shapes_enabled
+from ..layers.export_mode import exporting, symbolic_shapes_enabled
 from .base import (SLAB_NORM_CFG, BackbonePreset, ReparamBackboneMixin, check_bn_stats,
                    freeze_module, init_cfg_from_pretrained, per_stage)
 
@@ -167,7 +167,9 @@ class GlobalSLA(Reparameterizable, PVTAttention):
         self.deploy = deploy
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
-        out = self.kernel.attend(self.kernel.qkv(x), 1, tuple(hw_shape)).reshape(x.shape)
+        # graphs: q, k, v as three MatMuls (no split of the 3C channels, as window SLA)
+        qkv = self.kernel.qkv_parts(x) if exporting() else self.kernel.qkv(x)
+        out = self.kernel.attend(qkv, 1, tuple(hw_shape)).reshape(x.shape)
         return self.kernel.proj_drop(self.kernel.proj(out))
 
     def absorb_input_affine(self, scale: Tensor, shift: Tensor) -> None:

@@ -21,6 +21,13 @@ Three choices change the form a layer takes (never its numbers):
   partition, shift mask, pooling bins) from the runtime shape, so a traced graph serves any
   input size (see :mod:`mmslab.models.layers.symbolic`). ``torch.compile`` takes the same
   path while dynamo traces.
+* ``linear_attention`` (``auto`` | ``heads`` | ``blockdiag``): how SLA forms its per-head
+  products, in eager runs and graphs alike: ``heads`` splits the channels into
+  ``[B', heads, N, d]`` (transposes around two small MatMuls), ``blockdiag`` computes
+  ``K^T V`` on all ``C`` channels masked to its per-head blocks (``heads``-fold multiply-adds,
+  no transposes). ``auto``: ``blockdiag`` for at most :data:`BLOCKDIAG_MAX_HEADS` heads
+  (SLAB-Swin-T's 3 and 6), where it was faster in eager PyTorch and OpenVINO on the CPU
+  measured (docs/benchmarks.md), ``heads`` above. The same numbers either way.
 * ``window_softmax`` (``auto`` | ``sdpa`` | ``matmul``): how eager window softmax attention
   is computed; ``auto`` times both once per shape
   (:func:`~mmslab.models.layers.window_attention.choose_window_softmax`). The process
@@ -37,7 +44,10 @@ from typing import Iterator, Optional
 import torch
 
 ATTENTION_LAYOUTS = ('packed', 'split')
+LINEAR_ATTENTION_FORMS = ('auto', 'heads', 'blockdiag')
 WINDOW_SOFTMAX_CHOICES = ('auto', 'sdpa', 'matmul')
+#: ``linear_attention='auto'`` takes the block-diagonal form up to this many heads.
+BLOCKDIAG_MAX_HEADS = 6
 
 
 def _checked_window_softmax(value: str, source: str) -> str:
@@ -46,22 +56,28 @@ def _checked_window_softmax(value: str, source: str) -> str:
     return value
 
 
-_state = dict(layout='packed', symbolic=False,
+_state = dict(layout='packed', symbolic=False, linear_attention='auto',
               window_softmax=_checked_window_softmax(
                   os.environ.get('MMSLAB_WINDOW_SOFTMAX', 'auto'), 'MMSLAB_WINDOW_SOFTMAX'))
 
 
 @contextmanager
 def export_mode(layout: Optional[str] = None, symbolic: Optional[bool] = None,
-                window_softmax: Optional[str] = None) -> Iterator[None]:
+                window_softmax: Optional[str] = None,
+                linear_attention: Optional[str] = None) -> Iterator[None]:
     """Set the given choices (``None`` keeps the current one) inside the ``with`` block; the
     previous ones are restored on every exit path."""
     if layout is not None and layout not in ATTENTION_LAYOUTS:
         raise ValueError(f'unknown attention layout {layout!r}; valid: {ATTENTION_LAYOUTS}')
     if window_softmax is not None:
         _checked_window_softmax(window_softmax, 'window_softmax')
+    if linear_attention is not None and linear_attention not in LINEAR_ATTENTION_FORMS:
+        raise ValueError(f'unknown linear attention form {linear_attention!r}; valid: '
+                         f'{LINEAR_ATTENTION_FORMS}')
     changes = {k: v for k, v in dict(layout=layout, symbolic=symbolic,
-                                     window_softmax=window_softmax).items() if v is not None}
+                                     window_softmax=window_softmax,
+                                     linear_attention=linear_attention).items()
+               if v is not None}
     previous = dict(_state)
     _state.update(changes)
     try:
@@ -72,7 +88,7 @@ def export_mode(layout: Optional[str] = None, symbolic: Optional[bool] = None,
 
 
 def current_export_mode() -> dict:
-    """``{'layout', 'symbolic', 'window_softmax'}`` as set now."""
+    """``{'layout', 'symbolic', 'linear_attention', 'window_softmax'}`` as set now."""
     return dict(_state)
 
 
@@ -82,6 +98,15 @@ def attention_layout() -> str:
 
 def window_softmax_setting() -> str:
     return _state['window_softmax']
+
+
+def linear_attention_form(kernel, form: Optional[str] = None) -> str:
+    """``heads`` or ``blockdiag``: the form SLA ``kernel`` computes in under ``form``
+    (default: the current ``linear_attention`` choice)."""
+    form = form or _state['linear_attention']
+    if form == 'auto':
+        return 'blockdiag' if kernel.num_heads <= BLOCKDIAG_MAX_HEADS else 'heads'
+    return form
 
 
 def compiling() -> bool:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from mmslab.registry import register_model
 from .reparameterizable import Reparameterizable
-from .export_mode import symbolic_shapes_enabled
+from .export_mode import linear_attention_form, symbolic_shapes_enabled
 from .window_attention import WindowKernelBase
 
 
@@ -65,6 +65,7 @@ class SLA(Reparameterizable, WindowKernelBase):
     uses_shift_mask = False
     masks_padding = True
     needs_eval_mode = False
+    has_blockdiag_form = True
     eps = 1e-6
 
     def __init__(self, embed_dims: int, num_heads: int, window_size, qkv_bias: bool = True,
@@ -85,51 +86,83 @@ class SLA(Reparameterizable, WindowKernelBase):
     def _switch_to_deploy(self) -> None:
         pass  # structure-free (see the module docstring)
 
-    def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
-               shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
-               cache_key=None) -> Tensor:
-        bw, n, _ = qkv.shape
+    def _positional_encoding(self, window_hw) -> Tensor:
+        """``[1, wh*ww, C]`` encoding of a ``window_hw`` window (cropped or resized)."""
         c = self.embed_dims
         wh, ww = window_hw
-        q, k, v = qkv.split(c, dim=-1)
         pos = self.positional_encoding
         if symbolic_shapes_enabled():  # window sizes are tensors: no Python comparison
             grid = pos.view(1, *self.window_size, c)
             if self.resize_pos:  # (a resize to the same grid is exact)
-                pos = F.interpolate(grid.permute(0, 3, 1, 2), size=(wh, ww), mode='bilinear',
-                                    align_corners=False).flatten(2).transpose(1, 2)
-            else:  # the window never exceeds the learned one there (see ShiftWindowAttention)
-                pos = grid[:, :wh, :ww].reshape(1, -1, c)
-        elif (wh, ww) != self.window_size:
-            grid = pos.view(1, *self.window_size, c)
-            if (not self.resize_pos and wh <= self.window_size[0]
-                    and ww <= self.window_size[1]):
-                # A window cropped to a smaller feature map: positions keep their encoding.
-                pos = grid[:, :wh, :ww].reshape(1, wh * ww, c)
-            else:  # global attention (PVT) or a larger window: resize the learned encoding
-                pos = F.interpolate(grid.permute(0, 3, 1, 2), size=(wh, ww), mode='bilinear',
-                                    align_corners=False).flatten(2).transpose(1, 2)
-        dtype = torch.promote_types(qkv.dtype, torch.float32)  # never below fp32
+                return F.interpolate(grid.permute(0, 3, 1, 2), size=(wh, ww), mode='bilinear',
+                                     align_corners=False).flatten(2).transpose(1, 2)
+            # the window never exceeds the learned one there (see ShiftWindowAttention)
+            return grid[:, :wh, :ww].reshape(1, -1, c)
+        if (wh, ww) == self.window_size:
+            return pos
+        grid = pos.view(1, *self.window_size, c)
+        if not self.resize_pos and wh <= self.window_size[0] and ww <= self.window_size[1]:
+            # A window cropped to a smaller feature map: positions keep their encoding.
+            return grid[:, :wh, :ww].reshape(1, wh * ww, c)
+        # global attention (PVT) or a larger window: resize the learned encoding
+        return F.interpolate(grid.permute(0, 3, 1, 2), size=(wh, ww), mode='bilinear',
+                             align_corners=False).flatten(2).transpose(1, 2)
+
+    def attend(self, qkv, num_windows: int, window_hw: Tuple[int, int],
+               shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
+               cache_key=None) -> Tensor:
+        """``qkv``: ``[B', N, 3C]``, or its three ``[B', N, C]`` parts (exported graphs
+        gather them separately: no split of the ``3C`` channels)."""
+        q, k, v = qkv.split(self.embed_dims, dim=-1) if isinstance(qkv, Tensor) else qkv
+        bw, n, c = q.shape
+        wh, ww = window_hw
         h, d = self.num_heads, self.head_dims
-        with torch.autocast(device_type=qkv.device.type, enabled=False):
+        pos = self._positional_encoding(window_hw)
+        dtype = torch.promote_types(q.dtype, torch.float32)  # never below fp32
+        with torch.autocast(device_type=q.device.type, enabled=False):
             q = F.relu(q.to(dtype))
             k = (k.to(dtype) + pos.to(dtype)).relu_()
             v = v.to(dtype)  # zero in padded slots (the caller's contract, see WindowKernelBase)
             # The shared per-head DWC is one depth-wise conv over all C channels (weights tiled
             # over heads), run on a channels-last view of V: no head split, no copy.
-            v_map = v.view(bw, wh, ww, c).permute(0, 3, 1, 2)
+            v_map = v.reshape(bw, wh, ww, c).permute(0, 3, 1, 2)
             weight = self.dwc.weight.repeat(h, 1, 1, 1).to(dtype)
             bias = None if self.dwc.bias is None else self.dwc.bias.repeat(h).to(dtype)
             dwc = F.conv2d(v_map, weight, bias, padding=self.dwc.padding, groups=c)
-            dwc = dwc.permute(0, 2, 3, 1).reshape(bw, n, h, d)
-            qh, kh, vh = (_split_heads(t, h) for t in (q, k, v))
-            kv = kh.transpose(-2, -1) @ vh  # [B', h, d, d]: padded slots add nothing (v = 0)
-            z = _key_sum(k, valid).view(bw, 1, h, d).permute(0, 2, 3, 1)  # [B', h, d, 1]
-            # Numerator and normalizer from one product: q [S | z].
-            num = qh @ torch.cat([kv, z], dim=-1)  # [B', h, N, d + 1]
-            out = num[..., :d] / (num[..., d:] + self.eps)
-            out = out.transpose(1, 2) + dwc  # [B', N, h, d]
-        return out.to(qkv.dtype)
+            dwc = dwc.permute(0, 2, 3, 1).reshape(bw, n, c)
+            z = _key_sum(k, valid)  # [B', 1, C]; padded slots add nothing to K^T V (v = 0)
+            if linear_attention_form(self) == 'blockdiag':
+                out = self._heads_blockdiag(q, k, v, z)
+            else:
+                out = self._heads_split(q, k, v, z)
+            out = out + dwc
+        return out.to(qkv.dtype if isinstance(qkv, Tensor) else qkv[0].dtype)
+
+    def _heads_split(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor) -> Tensor:
+        """Per-head products: ``[B', h, N, d]`` views, ``S = K^T V`` ``[B', h, d, d]`` and
+        ``q [S | z]`` (numerator and normalizer from one product). ``[B', N, C]``."""
+        bw, n, c = q.shape
+        h, d = self.num_heads, self.head_dims
+        qh, kh, vh = (_split_heads(t, h) for t in (q, k, v))
+        kv = kh.transpose(-2, -1) @ vh  # [B', h, d, d]
+        num = qh @ torch.cat([kv, z.view(bw, 1, h, d).permute(0, 2, 3, 1)], dim=-1)
+        out = num[..., :d] / (num[..., d:] + self.eps)  # [B', h, N, d]
+        return out.transpose(1, 2).reshape(bw, n, c)
+
+    def _heads_blockdiag(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor) -> Tensor:
+        """The same products on all channels at once: ``K^T V`` ``[B', C, C]`` masked to its
+        per-head diagonal blocks, the normalizer as ``h`` more columns, and one
+        ``q [S | Z]`` ``[B', N, C + h]``: no head transposes (runtimes pay for those more
+        than for the ``h``-fold multiply-adds), exact (the masked blocks are zeros)."""
+        bw, n, c = q.shape
+        h, d = self.num_heads, self.head_dims
+        head = torch.arange(c, device=q.device) // d
+        same_head = (head.view(-1, 1) == head.view(1, -1)).to(q.dtype)  # [C, C]
+        of_head = (head.view(-1, 1) == torch.arange(h, device=q.device)).to(q.dtype)  # [C, h]
+        kv = (k.transpose(1, 2) @ v) * same_head  # [B', C, C]
+        num = q @ torch.cat([kv, z.transpose(1, 2) * of_head], dim=-1)  # [B', N, C + h]
+        out = num[..., :c].reshape(bw, n, h, d) / (num[..., c:].unsqueeze(-1) + self.eps)
+        return out.reshape(bw, n, c)
 
 
 @register_model()
@@ -160,16 +193,18 @@ class BiNormAttention(Reparameterizable, WindowKernelBase):
         # K^T V sums over every token of the window (3136 in a 56 x 56 one): in float16 it
         # overflows, and the L2 norms after it lose precision; float32 even under autocast.
         # (Casts only where the dtype differs: fp32 graphs stay as they were.)
-        dtype = torch.promote_types(qkv.dtype, torch.float32)
-        low = qkv.dtype != dtype
-        with torch.autocast(device_type=qkv.device.type, enabled=False):
-            q, k, v = (qkv.to(dtype) if low else qkv).split(self.embed_dims, dim=-1)
+        # qkv: [B', N, 3C] or its three [B', N, C] parts (as SLA.attend)
+        parts = qkv.split(self.embed_dims, dim=-1) if isinstance(qkv, Tensor) else qkv
+        in_dtype = parts[0].dtype
+        dtype = torch.promote_types(in_dtype, torch.float32)
+        low = in_dtype != dtype
+        with torch.autocast(device_type=parts[0].device.type, enabled=False):
             # padded slots hold zeros (the caller's contract): they add nothing to K^T V
-            q, k, v = (_split_heads(t, self.num_heads) for t in (q, k, v))
+            q, k, v = (_split_heads(t.to(dtype) if low else t, self.num_heads) for t in parts)
             kv = F.normalize(k.transpose(-2, -1) @ v, dim=-2, eps=self.eps)  # key channels
             out = F.normalize(q, dim=-1, eps=self.eps) @ kv
         out = out.transpose(1, 2)
-        return out.to(qkv.dtype) if low else out
+        return out.to(in_dtype) if low else out
 
 
 def _reject_unused(kwargs: dict, name: str) -> None:

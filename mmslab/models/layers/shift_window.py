@@ -203,8 +203,9 @@ class ShiftWindowAttention(nn.Module):
         pad = self.w_msa.padded_qkv()
         return like.new_zeros(like.shape[-1]) if pad is None else pad.to(like.dtype)
 
-    def _qkv_windows(self, x: Tensor, lay: dict) -> Tensor:
-        """``[B, nW*N, 3C]`` window slots after ``qkv``."""
+    def _qkv_windows(self, x: Tensor, lay: dict):
+        """``[B, nW*N, 3C]`` window slots after ``qkv`` (graphs of kernels that mask padding:
+        its three ``[B, nW*N, C]`` parts)."""
         kernel = self.w_msa
         if lay['identity']:
             return kernel.qkv(x)
@@ -224,6 +225,12 @@ class ShiftWindowAttention(nn.Module):
             return windows
         if exporting() or lay['gather'] is None:
             # Graphs: qkv on the tokens, the padded row appended, one gather (index h*w)
+            if kernel.masks_padding:
+                # q, k and v each projected and gathered with a zero padded row: the kernel
+                # gets three [B, nW*N, C] parts (WindowKernelBase.qkv_parts)
+                zero = x.new_zeros(kernel.embed_dims)
+                return tuple(self._gather_padded(part, zero, lay['gather_or_pad'])
+                             for part in kernel.qkv_parts(x))
             tokens = kernel.qkv(x)  # [B, H*W, 3C]
             return self._gather_padded(tokens, self._padded_qkv(tokens), lay['gather_or_pad'])
         # Eager: gather the C-channel tokens (a third of the data of qkv's output), then qkv
@@ -260,7 +267,9 @@ class ShiftWindowAttention(nn.Module):
                 rows = self._gather_padded(x, token_pad, lay['gather_or_pad'])
             out = kernel.attend_tokens(rows.reshape(-1, n, c), lay['shift_mask'])
         else:
-            windows = self._qkv_windows(x, lay).reshape(-1, n, 3 * c)
+            windows = self._qkv_windows(x, lay)
+            windows = windows.reshape(-1, n, 3 * c) if isinstance(windows, Tensor) else \
+                tuple(part.reshape(-1, n, c) for part in windows)
             out = kernel.attend(windows, nw, (wh, ww), shift_mask=lay['shift_mask'],
                                 valid=lay['valid'], cache_key=lay['cache_key'])
         # out: [B*nW, N, C] or [B*nW, N, heads, d] (a view): one gather back to token order.

@@ -21,8 +21,8 @@ from torch import Tensor
 from mmslab.registry import register_model
 from .affine import fold_affine_into_next_linear
 from .reparameterizable import Reparameterizable
-from .export_mode import (ATTENTION_LAYOUTS, compiling, exporting, symbolic_shapes_enabled,
-                          takes_split_layout, window_softmax_setting)
+from .export_mode import (ATTENTION_LAYOUTS, compiling, exporting, linear_attention_form,
+                          symbolic_shapes_enabled, takes_split_layout, window_softmax_setting)
 
 
 def _foreign_window_msa_classes() -> tuple:
@@ -46,15 +46,19 @@ def attention_layout_report(model: nn.Module, layout: str) -> dict:
         raise ValueError(f'unknown attention layout {layout!r}; valid: {ATTENTION_LAYOUTS}')
     foreign_classes = _foreign_window_msa_classes()
     split = packed = foreign = 0
+    linear = dict(heads=0, blockdiag=0)
     for m in model.modules():
         if isinstance(m, WindowKernelBase):
             if takes_split_layout(m, layout):
                 split += 1
             else:
                 packed += 1
+            if m.has_blockdiag_form:
+                linear[linear_attention_form(m)] += 1
         elif foreign_classes and isinstance(m, foreign_classes):
             foreign += 1
-    return dict(layout=layout, split=split, packed=packed, mmdet_window_msa=foreign)
+    return dict(layout=layout, split=split, packed=packed, mmdet_window_msa=foreign,
+                linear_attention=linear)
 
 
 def relative_position_index(window_size: Tuple[int, int]) -> Tensor:
@@ -119,6 +123,13 @@ class WindowKernelBase(nn.Module):
         if not self.masks_padding:
             self.qkv_pad = self.qkv.weight.new_zeros(self.qkv.out_features)
 
+    def qkv_parts(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """``qkv`` as three MatMuls: ``[..., C]`` -> q, k, v ``[..., C]`` each. What exported
+        graphs of kernels that mask padding compute, so no graph splits the ``3C`` channels
+        (OpenVINO's split of the innermost axis is a slow reference kernel)."""
+        bias = self.qkv.bias.chunk(3) if self.qkv.bias is not None else (None, ) * 3
+        return tuple(F.linear(x, w, b) for w, b in zip(self.qkv.weight.chunk(3), bias))
+
     @torch.no_grad()
     def absorb_input_affine(self, scale: Tensor, shift: Tensor) -> None:
         """Fold the preceding norm's ``x * scale + shift`` into ``qkv``."""
@@ -137,6 +148,10 @@ class WindowKernelBase(nn.Module):
         ``cache_key`` identifies the padded layout (constant masks may be cached under it).
         """
         raise NotImplementedError
+
+    #: Whether the kernel has SLA's two forms of its per-head products (``linear_attention``
+    #: of :mod:`~mmslab.models.layers.export_mode`).
+    has_blockdiag_form = False
 
     #: Whether :meth:`attend_tokens` exists (the ``split`` exported layout, see
     #: :mod:`~mmslab.models.layers.export_mode`).
