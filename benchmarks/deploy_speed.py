@@ -44,6 +44,7 @@ from mmslab.deploy.export_info import is_segmentor
 from mmslab.deploy.onnx_export import DEFAULT_ATTENTION_LAYOUT as DEFAULT_ATTENTION, export_onnx
 from mmslab.deploy.quantize import quantize_onnxruntime, quantize_openvino
 from mmslab.deploy.runtimes import convert_to_openvino, open_model
+from mmslab.models.layers.export_mode import current_export_mode
 from mmslab.models.layers.window_attention import (ATTENTION_LAYOUTS,
                                                    window_softmax_choices)
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
@@ -331,6 +332,7 @@ def measure_all(args, tmp) -> dict:
             checks.append(dict(kind=kind, shape=shape_text, **t))
         print_table(rows, kind, shape_text, sorted({r for _, r in res}, key=runtime_order))
         report['window_softmax'] = window_softmax_choices()
+        report['export_mode'] = current_export_mode()  # SLA's form, among others
         save_report(report, args.out)
     return report
 
