@@ -10,7 +10,7 @@ and :func:`check_device_arguments`.
 """
 import argparse
 import copy
-from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -21,8 +21,8 @@ from mmseg.structures import SegDataSample
 from mmslab.models.reparam import reparameterize
 from mmslab.utils.precision import (PRECISION_DTYPES, AutocastRegions, autocast_dtype,
                                     check_autocast_precision)
-from mmslab.utils.timing import (DeviceLike, latency_stats, module_device, resolve_device,
-                                 timed_ms)
+from mmslab.utils.timing import (DeviceLike, latency_stats, measure_interleaved,  # noqa: F401
+                                 module_device, resolve_device, timed_ms)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,30 +162,6 @@ def make_runners(model: nn.Module, shape: Tuple[int, int], part: str, batch_size
             return model(inputs, samples, mode='predict')
         return run
     raise ValueError(f"part must be 'backbone' or 'model', got {part!r}")
-
-
-def measure_interleaved(fns: Dict[Hashable, Callable[[], object]], repeat: int, warmup: int,
-                        progress: Optional[Callable[[], None]] = None,
-                        device: DeviceLike = None) -> Dict[Hashable, List[float]]:
-    """Run each callable ``warmup`` times, then ``repeat`` rounds in rotating order.
-
-    Interleaving spreads the machine's noise (other processes, frequency changes, GPU clocks)
-    over all variants instead of biasing whichever ran first. Returns milliseconds per call,
-    timed by :func:`mmslab.utils.timing.timed_ms` on ``device`` (CUDA events on a GPU).
-    """
-    names = list(fns)
-    times = {n: [] for n in names}
-    with torch.inference_mode():
-        for _ in range(warmup):
-            for n in names:
-                fns[n]()
-        for r in range(repeat):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for n in order:
-                times[n].append(timed_ms(fns[n], device)[1])
-                if progress is not None:
-                    progress()
-    return times
 
 
 def first_call_timed(fn: Callable, *args, device: DeviceLike = None) -> dict:

@@ -262,11 +262,11 @@ def test_runners_use_the_model_device_and_switch_precision(tiny_config):
 
 
 def test_measure_interleaved_times_on_the_given_device(monkeypatch):
-    import mmslab.benchmark as bench
+    import mmslab.utils.timing as timing
     devices = []
-    monkeypatch.setattr(bench, 'timed_ms',
+    monkeypatch.setattr(timing, 'timed_ms',
                         lambda fn, device=None: (devices.append(device), (fn(), 1.0))[1])
-    times = bench.measure_interleaved({('a', 'fp32'): lambda: 1, ('a', 'fp16'): lambda: 2},
+    times = timing.measure_interleaved({('a', 'fp32'): lambda: 1, ('a', 'fp16'): lambda: 2},
                                       repeat=2, warmup=1, device='cuda:0')
     assert times == {('a', 'fp32'): [1.0, 1.0], ('a', 'fp16'): [1.0, 1.0]}
     assert devices == ['cuda:0'] * 4

@@ -271,23 +271,13 @@ def auto_precision(candidates: Dict[str, Callable[[], object]], bf16_available: 
     CPU without bf16 units or onnxruntime); with fp32 alone nothing is timed. Returns the
     record written to ``metrics.json``: ``choice``, ``times_ms`` (medians), ``candidates``,
     ``warmup``, ``repeat``, ``margin`` and ``reason``."""
-    from mmslab.utils.timing import latency_stats, timed_ms
+    from mmslab.utils.timing import latency_stats, measure_interleaved
     names = ['fp32'] + (['bf16'] if bf16_available and 'bf16' in candidates else [])
     record = dict(candidates=names, warmup=warmup, repeat=repeat, margin=margin, times_ms={})
     if names == ['fp32']:
         record.update(choice='fp32', reason=f"fp32 only: {why_not_bf16 or 'no bf16 candidate'}")
         return record
-    # interleaved as mmslab.benchmark.measure_interleaved times (rotating order, so the
-    # machine's noise spreads over both); written out here, as the benchmark tools import
-    # mmdet and mmseg, which an engine hook must not load
-    times = {n: [] for n in names}
-    with torch.inference_mode():
-        for _ in range(warmup):
-            for n in names:
-                candidates[n]()
-        for r in range(repeat):
-            for n in names[r % len(names):] + names[:r % len(names)]:
-                times[n].append(timed_ms(candidates[n])[1])
+    times = measure_interleaved({n: candidates[n] for n in names}, repeat, warmup)
     medians = {n: latency_stats(t)['median_ms'] for n, t in times.items()}
     record['times_ms'] = medians
     faster = medians['bf16'] * margin < medians['fp32']

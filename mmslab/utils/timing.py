@@ -9,7 +9,7 @@ recorded when the host reaches them, so the figure covers host-side work inside 
 """
 import statistics
 import time
-from typing import Callable, Sequence, Union
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Union
 
 import torch
 
@@ -125,3 +125,27 @@ def timing_method(device: DeviceLike) -> str:
     if device is not None and torch.device(device).type == 'cuda':
         return 'cuda_events'
     return 'perf_counter'
+
+
+def measure_interleaved(fns: Dict[Hashable, Callable[[], object]], repeat: int, warmup: int,
+                        progress: Optional[Callable[[], None]] = None,
+                        device: DeviceLike = None) -> Dict[Hashable, List[float]]:
+    """Run each callable ``warmup`` times, then ``repeat`` rounds in rotating order.
+
+    Interleaving spreads the machine's noise (other processes, frequency changes, GPU clocks)
+    over all variants instead of biasing whichever ran first. Returns milliseconds per call,
+    timed by :func:`mmslab.utils.timing.timed_ms` on ``device`` (CUDA events on a GPU).
+    """
+    names = list(fns)
+    times = {n: [] for n in names}
+    with torch.inference_mode():
+        for _ in range(warmup):
+            for n in names:
+                fns[n]()
+        for r in range(repeat):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for n in order:
+                times[n].append(timed_ms(fns[n], device)[1])
+                if progress is not None:
+                    progress()
+    return times
