@@ -19,7 +19,8 @@ Keys (schema :data:`SCHEMA_VERSION`):
 * written by ``tools/export_onnx.py`` and read where present: ``config``,
   ``model_config_sha256`` (of the model section), ``checkpoint``, ``checkpoint_sha256``
   (null for ``--random-weights``), ``random_weights``, ``seg_argmax``, ``attention`` (the
-  window-attention layout in the graph and how many blocks took it), ``precisions``,
+  window-attention layout in the graph and how many blocks took it; ``linear_attention``: the
+  form of SLA's per-head products), ``precisions``,
   ``versions``, ``machine``, and the measurements: parity and INT8 deviation per runtime,
   ``tolerance``, ``export_seconds``, ``onnx_mb``, ``int8``, ``parity_images``, ``latency``.
 
