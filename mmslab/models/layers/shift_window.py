@@ -207,6 +207,18 @@ class ShiftWindowAttention(nn.Module):
         """``[B, nW*N, 3C]`` window slots after ``qkv`` (graphs of kernels that mask padding:
         its three ``[B, nW*N, C]`` parts)."""
         kernel = self.w_msa
+        graph = exporting() or lay['gather'] is None
+        if graph and kernel.masks_padding:
+            # Graphs of kernels that mask padding: q, k and v each projected on the tokens and
+            # gathered (a zero padded row): three [B, nW*N, C] parts, so no graph splits the
+            # 3C channels (WindowKernelBase.qkv_parts)
+            parts = kernel.qkv_parts(x)
+            if lay['identity']:
+                return parts
+            if not lay['padded']:
+                return tuple(part.index_select(1, lay['gather']) for part in parts)
+            zero = x.new_zeros(kernel.embed_dims)
+            return tuple(self._gather_padded(part, zero, lay['gather_or_pad']) for part in parts)
         if lay['identity']:
             return kernel.qkv(x)
         if not lay['padded']:
@@ -223,14 +235,8 @@ class ShiftWindowAttention(nn.Module):
                 windows = torch.where(lay['valid_slots'].reshape(1, -1, 1), windows,
                                       pad.to(windows.dtype))
             return windows
-        if exporting() or lay['gather'] is None:
+        if graph:
             # Graphs: qkv on the tokens, the padded row appended, one gather (index h*w)
-            if kernel.masks_padding:
-                # q, k and v each projected and gathered with a zero padded row: the kernel
-                # gets three [B, nW*N, C] parts (WindowKernelBase.qkv_parts)
-                zero = x.new_zeros(kernel.embed_dims)
-                return tuple(self._gather_padded(part, zero, lay['gather_or_pad'])
-                             for part in kernel.qkv_parts(x))
             tokens = kernel.qkv(x)  # [B, H*W, 3C]
             return self._gather_padded(tokens, self._padded_qkv(tokens), lay['gather_or_pad'])
         # Eager: gather the C-channel tokens (a third of the data of qkv's output), then qkv
