@@ -16,7 +16,7 @@ from torch import Tensor
 
 from mmslab.models.layers.shift_window import shift_window_mask
 from mmslab.models.layers.symbolic import as_size, ceil_div
-from mmslab.models.layers.window_attention import split_qkv
+from mmslab.models.layers.window_attention import foreign_window_msa_classes, split_qkv
 
 
 def _adaptive_padding_forward(self, x: Tensor) -> Tensor:
@@ -70,14 +70,7 @@ def _window_msa_split_forward(self, x: Tensor, mask=None) -> Tensor:
 
 
 def _split_attention_classes() -> List[Tuple[type, str, object]]:
-    targets = []
-    for module in ('mmdet.models.backbones.swin', 'mmseg.models.backbones.swin'):
-        try:
-            cls = __import__(module, fromlist=['WindowMSA']).WindowMSA
-        except ImportError:
-            continue
-        targets.append((cls, 'forward', _window_msa_split_forward))
-    return targets
+    return [(cls, 'forward', _window_msa_split_forward) for cls in foreign_window_msa_classes()]
 
 
 def _patched_classes() -> List[Tuple[type, str, object]]:

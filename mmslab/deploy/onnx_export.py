@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from mmslab.models.layers.export_mode import export_mode, symbolic_shapes_enabled
+from mmslab.models.layers.export_mode import export_mode, exporting, symbolic_shapes_enabled
 from .compare import max_relative_error  # noqa: F401  (re-exported)
 from .export_info import is_detector, is_segmentor
 
@@ -79,7 +79,7 @@ class ExportableAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
         self.pool_product = PoolingProduct()
 
     def forward(self, x: Tensor) -> Tensor:
-        if not (torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()):
+        if not exporting():
             return super().forward(x)
         oh, ow = self.output_size if isinstance(self.output_size, (tuple, list)) else \
             (self.output_size, self.output_size)

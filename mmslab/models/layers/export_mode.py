@@ -67,8 +67,8 @@ def export_mode(layout: Optional[str] = None, symbolic: Optional[bool] = None,
                 linear_attention: Optional[str] = None) -> Iterator[None]:
     """Set the given choices (``None`` keeps the current one) inside the ``with`` block; the
     previous ones are restored on every exit path."""
-    if layout is not None and layout not in ATTENTION_LAYOUTS:
-        raise ValueError(f'unknown attention layout {layout!r}; valid: {ATTENTION_LAYOUTS}')
+    if layout is not None:
+        check_attention_layout(layout)
     if window_softmax is not None:
         _checked_window_softmax(window_softmax, 'window_softmax')
     if linear_attention is not None and linear_attention not in LINEAR_ATTENTION_FORMS:
@@ -92,8 +92,11 @@ def current_export_mode() -> dict:
     return dict(_state)
 
 
-def attention_layout() -> str:
-    return _state['layout']
+def check_attention_layout(layout: str) -> str:
+    """``layout`` if it is one of :data:`ATTENTION_LAYOUTS`, else a ``ValueError`` naming them."""
+    if layout not in ATTENTION_LAYOUTS:
+        raise ValueError(f'unknown attention layout {layout!r}; valid: {ATTENTION_LAYOUTS}')
+    return layout
 
 
 def window_softmax_setting() -> str:
@@ -124,16 +127,21 @@ def symbolic_shapes_enabled() -> bool:
     return _state['symbolic'] or compiling()
 
 
+def _split_token(kernel, layout: str):
+    """The padded token ``kernel`` is exported with under ``layout``, or None for the
+    ``packed`` form (the other layout, no split form, or a folded norm that no raw token
+    maps to zero)."""
+    if layout != 'split' or not kernel.attends_tokens:
+        return None
+    return kernel.padded_token()
+
+
 def takes_split_layout(kernel, layout: str) -> bool:
     """Whether a window kernel is exported in the ``split`` form under ``layout``."""
-    return (layout == 'split' and kernel.attends_tokens and
-            kernel.padded_token() is not None)
+    return _split_token(kernel, layout) is not None
 
 
 def split_layout_token(kernel):
     """``[C]`` padded token of a kernel exported now in the ``split`` layout, or None when it
-    takes the ``packed`` form (not exporting, the other layout, no split form, or a folded
-    norm that no raw token maps to zero)."""
-    if not exporting() or _state['layout'] != 'split' or not kernel.attends_tokens:
-        return None
-    return kernel.padded_token()
+    takes the ``packed`` form (not exporting, or as :func:`takes_split_layout` says)."""
+    return _split_token(kernel, _state['layout']) if exporting() else None

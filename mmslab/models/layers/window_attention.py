@@ -21,11 +21,12 @@ from torch import Tensor
 from mmslab.registry import register_model
 from .affine import fold_affine_into_next_linear
 from .reparameterizable import Reparameterizable
-from .export_mode import (ATTENTION_LAYOUTS, compiling, exporting, linear_attention_form,
-                          symbolic_shapes_enabled, takes_split_layout, window_softmax_setting)
+from .export_mode import (ATTENTION_LAYOUTS, check_attention_layout,  # noqa: F401 (re-exported)
+                          compiling, exporting, linear_attention_form, symbolic_shapes_enabled,
+                          takes_split_layout, window_softmax_setting)
 
 
-def _foreign_window_msa_classes() -> tuple:
+def foreign_window_msa_classes() -> tuple:
     """mmdet's and mmseg's own ``WindowMSA`` classes, those installed."""
     classes = []
     for module in ('mmdet.models.backbones.swin', 'mmseg.models.backbones.swin'):
@@ -42,9 +43,8 @@ def attention_layout_report(model: nn.Module, layout: str) -> dict:
     the counts of mmslab kernels in each form (kernels without the split form, or whose
     folded norm no token maps to zero, stay packed) and ``mmdet_window_msa``, mmdet's /
     mmseg's own ``WindowMSA`` modules (in the chosen layout)."""
-    if layout not in ATTENTION_LAYOUTS:
-        raise ValueError(f'unknown attention layout {layout!r}; valid: {ATTENTION_LAYOUTS}')
-    foreign_classes = _foreign_window_msa_classes()
+    check_attention_layout(layout)
+    foreign_classes = foreign_window_msa_classes()
     split = packed = foreign = 0
     linear = dict(heads=0, blockdiag=0)
     for m in model.modules():
