@@ -80,3 +80,19 @@ def test_gpu_check_table_reads_the_benchmark_json(tmp_path, monkeypatch, capsys)
 def test_gpu_check_rows_without_a_report_are_empty():
     check = load_tool('gpu_check')
     assert check.speed_rows(dict(name='x', report=None)) == []
+
+
+def test_gpu_check_step_timeout_stops_a_hung_step(tmp_path):
+    """A step past --step-timeout is killed with its children and reported as failed, so the
+    steps after it still run; a step within it keeps its exit code and log."""
+    gpu_check = load_tool('gpu_check')
+    hung = [sys.executable, '-c',
+            'import subprocess, sys, time; print("started", flush=True); '
+            'subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]); '
+            'time.sleep(60)']
+    code, seconds = gpu_check.run(hung, str(tmp_path / 'hung.log'), timeout=2)
+    assert code == 'timeout' and seconds < 30
+    assert 'started' in (tmp_path / 'hung.log').read_text()
+    code, _ = gpu_check.run([sys.executable, '-c', 'import sys; print("ok"); sys.exit(3)'],
+                            str(tmp_path / 'ok.log'), timeout=30)
+    assert code == 3 and (tmp_path / 'ok.log').read_text() == 'ok\n'

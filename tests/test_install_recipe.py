@@ -5,6 +5,7 @@ broke (e.g. a setuptools without ``pkg_resources`` reaching mmcv's setup.py) wou
 hidden on any machine that built it once. This runs the recipe's source preparation and
 metadata step in this interpreter's environment, without the 10-17 minute compilation.
 """
+import os
 import os.path as osp
 import subprocess
 import sys
@@ -41,3 +42,39 @@ def test_environment_is_consistent():
     """What tools/install_deps.sh installed satisfies every declared requirement."""
     code, out = run([sys.executable, '-m', 'pip', 'check'], timeout=120)
     assert code == 0, out
+
+
+def test_installer_rejects_unknown_openvino_switch(tmp_path):
+    """MMSLAB_OPENVINO is checked before anything is created or installed."""
+    env = dict(os.environ, MMSLAB_OPENVINO='yes', MMSLAB_VENV=str(tmp_path / 'venv'))
+    proc = subprocess.run(['bash', osp.join(REPO_ROOT, 'tools', 'install_deps.sh')], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stdout
+    assert 'MMSLAB_OPENVINO=yes; valid: 1' in proc.stdout and '0 (without)' in proc.stdout
+    assert not (tmp_path / 'venv').exists()
+
+
+def test_openvino_is_an_optional_extra():
+    """setup.cfg keeps OpenVINO and NNCF out of the core requirements (a training-only
+    environment installs without them), in the extra that the installer asks for."""
+    import configparser
+    cfg = configparser.ConfigParser()
+    cfg.read(osp.join(REPO_ROOT, 'setup.cfg'))
+    core = cfg['options']['install_requires']
+    extra = cfg['options.extras_require']['openvino']
+    assert 'openvino' not in core and 'nncf' not in core and 'onnxruntime' in core
+    assert 'openvino>=' in extra and 'nncf>=' in extra
+    installer = open(osp.join(REPO_ROOT, 'tools', 'install_deps.sh')).read()
+    assert 'TARGET="$REPO[openvino]"' in installer
+
+
+def test_missing_openvino_names_the_extra(monkeypatch):
+    """Without OpenVINO, opening an OpenVINO model says what to install, not a bare
+    ModuleNotFoundError."""
+    from mmslab.deploy import runtimes
+    monkeypatch.setitem(sys.modules, 'openvino', None)  # import openvino -> ImportError
+    with pytest.raises(ImportError, match=r"optional extra 'openvino'.*MMSLAB_OPENVINO=0"):
+        runtimes.OpenVINOModel('model.xml')
+    with pytest.raises(ImportError, match='OpenVINO is not installed'):
+        runtimes.convert_to_openvino('model.onnx', 'out')

@@ -1,9 +1,11 @@
 """The GPU acceptance check (``bash tools/gpu_check.sh`` installs first, then runs this).
 
     python tools/gpu_check.py [--iters 200] [--repeat 20] [--warmup 5] [--shape 800x1333]
-        [--configs CONFIG ...] [--skip-train] [--out work_dirs/gpu_check]
+        [--configs CONFIG ...] [--skip-train] [--step-timeout S] [--out work_dirs/gpu_check]
 
-1. mmcv's CUDA ops (nms, roi_align, sigmoid_focal_loss) against their CPU results;
+1. mmcv's CUDA ops (nms, roi_align, sigmoid_focal_loss) against their CPU results, and
+   ``tests/test_cuda.py`` (the backbones on CUDA: mmdet equivalence, fp16 AMP steps, exact
+   fusion, SLA against its formula);
 2. the demo SLAB-Swin-T Mask R-CNN trained with ``--amp`` on CUDA (``tools/dist_train.sh``
    with 2 processes when 2+ GPUs), validated with the fused model through
    ``ReparamEvalHook`` (its latency.json);
@@ -18,8 +20,10 @@ import glob
 import json
 import os
 import os.path as osp
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -43,10 +47,13 @@ def parse_args(argv=None):
     p.add_argument('--shape', default='800x1333', help='timed input size HEIGHTxWIDTH')
     p.add_argument('--configs', nargs='+', default=CONFIGS, help='configs to time')
     p.add_argument('--skip-train', action='store_true', help='only the ops check and timing')
+    p.add_argument('--step-timeout', type=float, default=0,
+                   help='seconds a step (training, one config\'s timing) may take before it is '
+                        'stopped and reported as failed; 0: no limit')
     p.add_argument('--out', default='work_dirs/gpu_check')
     args = p.parse_args(argv)
-    if args.iters < 1 or args.repeat < 1 or args.warmup < 0:
-        p.error('--iters and --repeat must be >= 1, --warmup >= 0')
+    if args.iters < 1 or args.repeat < 1 or args.warmup < 0 or args.step_timeout < 0:
+        p.error('--iters and --repeat must be >= 1, --warmup and --step-timeout >= 0')
     return args
 
 
@@ -61,17 +68,28 @@ def require_gpu():
     return torch.cuda.device_count()
 
 
-def run(cmd, log_path):
-    """Run a tool, its output shown and kept in ``log_path``; returns (exit code, seconds)."""
+def run(cmd, log_path, timeout=0):
+    """Run a tool, its output shown and kept in ``log_path``; returns (exit code, seconds).
+    Past ``timeout`` seconds (0: never) its process group is killed and the code is
+    ``'timeout'``, so that one hung step does not cost the steps after it."""
     print('$ ' + ' '.join(cmd), flush=True)
     t0 = time.time()
     with open(log_path, 'w') as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+                                text=True, start_new_session=True)
+        timer = None
+        if timeout:
+            timer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
+            timer.start()
         for line in proc.stdout:
             sys.stdout.write(line)
             log.write(line)
         code = proc.wait()
+        if timer is not None:
+            timer.cancel()
+            if code == -signal.SIGKILL and time.time() - t0 >= timeout:
+                code = 'timeout'
+                print(f'error: stopped after {timeout:.0f} s (--step-timeout): ' + ' '.join(cmd))
     return code, time.time() - t0
 
 
@@ -84,7 +102,7 @@ def train_demo(args, n_gpus, py):
         cmd = ['bash', 'tools/dist_train.sh', DEMO_CONFIG, '2'] + opts
     else:
         cmd = [py, 'tools/train.py', DEMO_CONFIG] + opts
-    code, seconds = run(cmd, osp.join(args.out, 'train_amp.log'))
+    code, seconds = run(cmd, osp.join(args.out, 'train_amp.log'), args.step_timeout)
     result = dict(command=' '.join(cmd), exit_code=code, seconds=seconds,
                   processes=2 if n_gpus >= 2 else 1)
     runs = sorted(glob.glob(osp.join(work, '*', 'vis_data', 'scalars.json')))
@@ -115,7 +133,7 @@ def time_config(args, config, py):
            # random weights: keep every detection (up to 100) so that every model's mask
            # head gets the same work and the whole-model times compare like with like
            '--cfg-options', 'model.test_cfg.rcnn.score_thr=0.0']
-    code, seconds = run(cmd, osp.join(args.out, f'speed_{name}.log'))
+    code, seconds = run(cmd, osp.join(args.out, f'speed_{name}.log'), args.step_timeout)
     report = None
     if code == 0:
         with open(osp.join(out, 'benchmark.json')) as f:
@@ -196,6 +214,10 @@ def main(argv=None):
     report['mmcv_cuda_ops'] = verify_cuda_ops_on_gpu()
     print('\n'.join(report['mmcv_cuda_ops']))
     py = sys.executable
+    print('== the backbones on CUDA (tests/test_cuda.py)')
+    code, seconds = run([py, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_cuda.py'],
+                        osp.join(args.out, 'test_cuda.log'), args.step_timeout)
+    report['cuda_tests'] = dict(exit_code=code, seconds=seconds)
     if not args.skip_train:
         print(f'== demo training with --amp ({args.iters} iterations)')
         code, _ = run([py, 'tools/make_demo_data.py', '--kind', 'coco'],
@@ -207,12 +229,16 @@ def main(argv=None):
     report['timings'] = [time_config(args, c, py) for c in args.configs]
     report['table'] = [row for t in report['timings'] for row in speed_rows(t)]
     failed = [t['config'] for t in report['timings'] if t['exit_code']]
+    if report['cuda_tests']['exit_code']:
+        failed.insert(0, 'tests/test_cuda.py')
     if not args.skip_train and report['train']['exit_code']:
         failed.insert(0, 'training')
     report['failed'] = failed
     with open(osp.join(args.out, 'gpu_check.json'), 'w') as f:
         json.dump(report, f, indent=2, default=str)
     print('\n== GPU acceptance check')
+    print(f"mmcv CUDA ops: {len(report['mmcv_cuda_ops'])} checked; tests/test_cuda.py: exit "
+          f"{report['cuda_tests']['exit_code']} ({report['cuda_tests']['seconds']:.0f} s)")
     if not args.skip_train:
         t = report['train']
         lat = t.get('hook_latency') or {}

@@ -14,6 +14,8 @@
 #                   otherwise; 1: CUDA ops even without a GPU; 0: CPU ops only
 #   TORCH_CUDA_ARCH_LIST  the GPUs to compile for (default: those present, else 8.0;9.0+PTX)
 #   MAX_JOBS        parallel compile jobs (default: the number of cores)
+#   MMSLAB_OPENVINO 1 (default): also OpenVINO and NNCF (the extra 'openvino', about 100 MB,
+#                   for deployment); 0: without them (training, PyTorch and onnxruntime only)
 #   PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR   (pip's own) install offline from wheels carried in
 #
 # mmcv 2.1.0 has no wheel for Python 3.11 + torch 2.14, so it is built once from its PyPI
@@ -26,6 +28,12 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WHEELS="${MMSLAB_WHEELS:-$HOME/.cache/mmslab/wheels}"
 PY="${PYTHON:-python3}"
+OPENVINO="${MMSLAB_OPENVINO:-1}"
+case "$OPENVINO" in
+    0|1) ;;
+    *) echo "error: MMSLAB_OPENVINO=$OPENVINO; valid: 1 (install OpenVINO and NNCF), 0 (without)" >&2
+       exit 2 ;;
+esac
 STEP="start"
 
 log() { echo "[install_deps $(date +%H:%M:%S)] $*"; }
@@ -67,7 +75,8 @@ eval "$PLAN"
 
 # Fast path: everything importable, the pinned versions present, the mmcv build the plan asks.
 if [ "$(cat "$MARKER" 2>/dev/null || true)" = "$MMSLAB_MMCV_KEY" ] && \
-        MMSLAB_EXISTING=$EXISTING "$VPY" - <<'PYEOF' 2>/dev/null
+        MMSLAB_EXISTING=$EXISTING MMSLAB_OPENVINO=$OPENVINO "$VPY" - <<'PYEOF' 2>/dev/null
+import importlib
 import importlib.metadata as md
 import os
 pins = {'mmcv': '2.1.0', 'mmengine': '0.10.7', 'mmdet': '3.3.0', 'mmsegmentation': '1.2.2'}
@@ -75,10 +84,15 @@ if os.environ['MMSLAB_EXISTING'] == '0':
     pins.update(torch='2.14.1', torchvision='0.29.1')
 for name, version in pins.items():
     assert md.version(name).split('+')[0] == version, name
-for name in ('timm', 'pycocotools', 'ftfy', 'regex', 'matplotlib', 'pytest', 'onnx',
-             'onnxruntime', 'openvino', 'nncf', 'mmslab'):
+names = ['timm', 'pycocotools', 'ftfy', 'regex', 'matplotlib', 'pytest', 'onnx',
+         'onnxruntime', 'mmslab']
+if os.environ['MMSLAB_OPENVINO'] == '1':
+    names += ['openvino', 'nncf']
+for name in names:
     md.version(name)
-import mmcv.ops, mmdet, mmseg, onnxruntime, openvino  # noqa
+for module in ('mmcv.ops', 'mmdet', 'mmseg', 'onnxruntime') + (
+        ('openvino',) if os.environ['MMSLAB_OPENVINO'] == '1' else ()):
+    importlib.import_module(module)
 PYEOF
 then
     log "environment of $VPY is complete (mmcv build $MMSLAB_MMCV_KEY)"
@@ -118,18 +132,36 @@ if [ "$(cat "$MARKER" 2>/dev/null || true)" != "$MMSLAB_MMCV_KEY" ] || \
 fi
 
 step "installing mmengine, mmdet, mmseg and the rest"
-"${PIP[@]}" -q mmengine==0.10.7 mmdet==3.3.0 mmsegmentation==1.2.2 timm ftfy regex \
+MMENGINE=(mmengine==0.10.7)
+if [ "$EXISTING" = 1 ] && "$VPY" -c "import cv2" 2>/dev/null && \
+        ! "$VPY" -m pip show -q opencv-python >/dev/null 2>&1; then
+    # mmengine asks for opencv-python; an environment with another OpenCV package (a container's
+    # opencv-python-headless) keeps it: two OpenCV packages overwrite each other's cv2.
+    log "keeping this environment's OpenCV ($("$VPY" -c 'import cv2; print(cv2.__version__)')):" \
+        "mmengine is installed without its opencv-python requirement"
+    "${PIP[@]}" -q --no-deps mmengine==0.10.7
+    "${PIP[@]}" -q addict matplotlib numpy pyyaml rich termcolor yapf
+    MMENGINE=()
+fi
+"${PIP[@]}" -q "${MMENGINE[@]}" mmdet==3.3.0 mmsegmentation==1.2.2 timm ftfy regex \
     pycocotools matplotlib pytest
 
-step "installing the deployment runtimes (onnx, onnxruntime, openvino, nncf)"
-"${PIP[@]}" -q "onnx>=1.17" "onnxruntime>=1.20" "openvino>=2025.0" "nncf>=2.16"
+if [ "$OPENVINO" = 1 ]; then
+    step "installing the deployment runtimes (onnx, onnxruntime, openvino, nncf)"
+    "${PIP[@]}" -q "onnx>=1.17" "onnxruntime>=1.20" "openvino>=2025.0" "nncf>=2.16"
+    TARGET="$REPO[openvino]"
+else
+    step "installing the deployment runtime onnxruntime (MMSLAB_OPENVINO=0: no OpenVINO, NNCF)"
+    "${PIP[@]}" -q "onnx>=1.17" "onnxruntime>=1.20"
+    TARGET="$REPO"
+fi
 
 step "installing mmslab (editable) and checking the requirements of setup.cfg"
 if [ "$EXISTING" = 1 ]; then
     # the environment's own setuptools builds it (an offline container has no other)
-    "${PIP[@]}" -q --no-build-isolation -e "$REPO"
+    "${PIP[@]}" -q --no-build-isolation -e "$TARGET"
 else
-    "${PIP[@]}" -q -e "$REPO"
+    "${PIP[@]}" -q -e "$TARGET"
 fi
 
 step "checking dependency consistency (pip check)"

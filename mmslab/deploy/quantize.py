@@ -18,7 +18,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-from .runtimes import OnnxRuntimeModel, pad_to_shape
+from .runtimes import OPENVINO_MISSING, OnnxRuntimeModel, import_openvino, pad_to_shape
 
 WEIGHT_OPS = ('MatMul', 'Gemm', 'Conv')  # the op types ORT INT8 quantizes (with weights)
 
@@ -94,8 +94,11 @@ def quantize_openvino(xml_path: str, out_path: str, calibration: Sequence[np.nda
     are merged), whose finite statistics set it, so the model is unaffected: the warning is
     not shown, and every quantizer's range is checked to be finite instead.
     """
-    import nncf
-    import openvino as ov
+    ov = import_openvino()
+    try:
+        import nncf
+    except ImportError as e:
+        raise ImportError(OPENVINO_MISSING.format(what='NNCF')) from e
     model = ov.Core().read_model(xml_path)
     dataset = nncf.Dataset(list(calibration))
     # adaptive pooling's bin products stay float (see onnx_export.PoolingProduct)

@@ -48,6 +48,20 @@ ORT_NO_BF16 = ('onnxruntime has no bf16 compute on x86 CPUs: its CPU execution p
                'is for ARM64 CPUs, and fp16 MatMuls are no faster than fp32. Use OpenVINO bf16, '
                'eager PyTorch bf16, or onnxruntime fp32 / int8')
 
+OPENVINO_MISSING = ('{what} is not installed: OpenVINO and NNCF are the optional extra '
+                    "'openvino' (tools/install_deps.sh installs them unless MMSLAB_OPENVINO=0; "
+                    "or: pip install 'openvino>=2025.0' 'nncf>=2.16'). Without them use "
+                    '--backend onnxruntime')
+
+
+def import_openvino():
+    """``openvino``, or an ImportError that says how to install it (an optional extra)."""
+    try:
+        import openvino
+    except ImportError as e:
+        raise ImportError(OPENVINO_MISSING.format(what='OpenVINO')) from e
+    return openvino
+
 
 # ----------------------------------------------------------------------------------------------
 # precision
@@ -186,7 +200,7 @@ class OpenVINOModel(RuntimeModel):
         if bf16:
             from mmslab.utils.machine import require_bf16  # torch-free: /proc/cpuinfo flags
             require_bf16('OpenVINO bf16')
-        import openvino as ov
+        ov = import_openvino()
         super().__init__('openvino', path, threads)
         core = ov.Core()
         self.compiled = core.compile_model(core.read_model(path), 'CPU',
@@ -240,7 +254,7 @@ def load_runtime_model(export_dir: str, runtime: str, precision: str = 'fp32',
 
 def convert_to_openvino(onnx_path: str, out_dir: str) -> str:
     """The OpenVINO IR (``model.xml`` + ``.bin``) of an ONNX file, fp32 weights."""
-    import openvino as ov
+    ov = import_openvino()
     os.makedirs(out_dir, exist_ok=True)
     xml = osp.join(out_dir, 'model.xml')
     ov.save_model(ov.convert_model(onnx_path), xml, compress_to_fp16=False)

@@ -1,0 +1,104 @@
+"""The backbones on a CUDA GPU: skipped without one (CI has none); run on a GPU machine with
+``python -m pytest tests/test_cuda.py`` (``tools/gpu_check.sh`` runs it first).
+
+References are independent of the code under test where one exists: mmdet's Swin for the
+LayerNorm build, the quadratic-order SLA formula for linear attention, the CPU for the
+device-independent parts. TF32 is off so that fp32 means fp32.
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+import mmslab
+from conftest import randomize_bn_statistics, rel_err
+from presets import SWIN_TINY, build_preset
+from mmslab.engine.hooks import set_progressive_iter
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+CUDA = torch.device('cuda')
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_layernorm_build_equals_mmdet_swin_on_cuda():
+    from mmdet.models.backbones import SwinTransformer
+    torch.manual_seed(0)
+    ref = SwinTransformer(**SWIN_TINY, out_indices=(0, 1, 2, 3))
+    ref.init_weights()
+    ref.to(CUDA)
+    ref.eval()  # mmdet's Swin.train() returns None: no chaining
+    ours = mmslab.models.ReparamSwinTransformer(**SWIN_TINY, norm_cfg=dict(type='LN'))
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    ours = ours.to(CUDA).eval()
+    for hw in [(64, 64), (70, 90)]:
+        x = torch.randn(1, 3, *hw, device=CUDA)
+        with torch.no_grad():
+            for a, b in zip(ref(x), ours(x)):
+                assert rel_err(b, a) <= 1e-5, hw
+
+
+@pytest.mark.parametrize('name', ['PRepBNSwin', 'SLABSwin', 'RePaSwin'])
+def test_amp_training_and_exact_fusion_on_cuda(name):
+    """fp16 autocast training steps with a loss scaler on CUDA give finite losses and
+    gradients; then fused == unfused in fp32 on CUDA, the CUDA outputs equal the CPU's, and the
+    fused model under fp16 autocast stays close to fp32."""
+    torch.manual_seed(0)
+    model = build_preset(name)
+    model.init_weights()
+    model = model.to(CUDA).train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler('cuda')
+    for it in range(4):
+        set_progressive_iter(model, it)
+        with torch.autocast('cuda', dtype=torch.float16):
+            outs = model(torch.randn(2, 3, 64, 72, device=CUDA))
+            loss = sum(o.float().square().mean() for o in outs)
+        assert torch.isfinite(loss)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all()
+               for p in model.parameters() if p.requires_grad)
+    randomize_bn_statistics(model)
+    model.eval()
+    x = torch.randn(2, 3, 61, 83, device=CUDA)
+    with torch.no_grad():
+        ref = [o.clone() for o in model(x)]
+        mmslab.reparameterize(model)
+        fused = model(x)
+        with torch.autocast('cuda', dtype=torch.float16):
+            half = model(x)
+        on_cpu = model.cpu()(x.cpu())  # size caches and buffers follow the device
+        model.to(CUDA)
+        back = model(x)
+    for r, f, h, c, b in zip(ref, fused, half, on_cpu, back):
+        assert f.device.type == 'cuda'
+        assert rel_err(f, r) <= 1e-4
+        assert rel_err(c, f.cpu()) <= 1e-4
+        assert torch.equal(b, f)
+        assert rel_err(h.float(), f) <= 2e-2
+
+
+@pytest.mark.parametrize('form', ['heads', 'blockdiag'])
+def test_sla_matches_the_quadratic_formula_on_cuda(form):
+    from test_layers import naive_sla
+    from mmslab.models.layers import SLA
+    from mmslab.models.layers.export_mode import export_mode
+    torch.manual_seed(3)
+    sla = SLA(16, 2, 4).double()
+    nn.init.normal_(sla.positional_encoding, std=0.5)
+    sla = sla.to(CUDA)
+    qkv = torch.randn(3, 16, 48, dtype=torch.float64, device=CUDA)
+    with export_mode(linear_attention=form):
+        out = sla.attend(qkv, 3, (4, 4)).reshape(3, 16, 16)
+    for b in range(3):
+        ref = naive_sla(qkv[b], sla.positional_encoding[0], sla.dwc, 2, (4, 4))
+        assert rel_err(out[b], ref) <= 1e-10
+
