@@ -63,6 +63,21 @@ else
     fi
 fi
 PIP=("$VPY" -m pip install --disable-pip-version-check)
+if [ "$EXISTING" = 1 ]; then
+    # The environment's torch (and torchvision) stay as they are: without this, a package that
+    # needs torchvision (timm) would pull the newest one and upgrade torch with it.
+    PINS="$(mktemp)"
+    "$VPY" - > "$PINS" <<'PYEOF'
+import importlib.metadata as md
+for name in ('torch', 'torchvision'):
+    try:
+        print(f'{name}=={md.version(name)}')
+    except md.PackageNotFoundError:
+        pass
+PYEOF
+    log "keeping this environment's $(tr '\n' ' ' < "$PINS")"
+    PIP+=(-c "$PINS")
+fi
 # Where the installed mmcv records which build it is (compared with the plan's cache key).
 MARKER="$("$VPY" -c 'import sys; print(sys.prefix)')/mmslab-mmcv-build.txt"
 
@@ -75,7 +90,7 @@ eval "$PLAN"
 
 # Fast path: everything importable, the pinned versions present, the mmcv build the plan asks.
 if [ "$(cat "$MARKER" 2>/dev/null || true)" = "$MMSLAB_MMCV_KEY" ] && \
-        MMSLAB_EXISTING=$EXISTING MMSLAB_OPENVINO=$OPENVINO "$VPY" - <<'PYEOF' 2>/dev/null
+        MMSLAB_EXISTING=$EXISTING MMSLAB_OPENVINO=$OPENVINO "$VPY" -P - <<'PYEOF' 2>/dev/null
 import importlib
 import importlib.metadata as md
 import os
@@ -133,6 +148,7 @@ fi
 
 step "installing mmengine, mmdet, mmseg and the rest"
 MMENGINE=(mmengine==0.10.7)
+MMSLAB_NODEPS=()
 if [ "$EXISTING" = 1 ] && "$VPY" -c "import cv2" 2>/dev/null && \
         ! "$VPY" -m pip show -q opencv-python >/dev/null 2>&1; then
     # mmengine asks for opencv-python; an environment with another OpenCV package (a container's
@@ -142,6 +158,9 @@ if [ "$EXISTING" = 1 ] && "$VPY" -c "import cv2" 2>/dev/null && \
     "${PIP[@]}" -q --no-deps mmengine==0.10.7
     "${PIP[@]}" -q addict matplotlib numpy pyyaml rich termcolor yapf
     MMENGINE=()
+    # mmslab's own install would resolve mmengine's requirements again: its requirements are
+    # installed here and checked by name after it
+    MMSLAB_NODEPS=(--no-deps)
 fi
 "${PIP[@]}" -q "${MMENGINE[@]}" mmdet==3.3.0 mmsegmentation==1.2.2 timm ftfy regex \
     pycocotools matplotlib pytest
@@ -159,7 +178,22 @@ fi
 step "installing mmslab (editable) and checking the requirements of setup.cfg"
 if [ "$EXISTING" = 1 ]; then
     # the environment's own setuptools builds it (an offline container has no other)
-    "${PIP[@]}" -q --no-build-isolation -e "$TARGET"
+    "${PIP[@]}" -q --no-build-isolation "${MMSLAB_NODEPS[@]}" -e "$TARGET"
+    "$VPY" -P - <<'PYEOF'
+import importlib.metadata as md
+import re
+missing = []
+for req in md.requires('mmslab') or []:
+    if 'extra ==' in req:
+        continue
+    name = re.match(r'[A-Za-z0-9_.-]+', req).group(0)
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        missing.append(req)
+if missing:
+    raise SystemExit(f'error: mmslab requirements not installed: {", ".join(missing)}')
+PYEOF
 else
     "${PIP[@]}" -q -e "$TARGET"
 fi
@@ -177,7 +211,7 @@ step "checking the compiled ops ($MMSLAB_MMCV_KIND build $MMSLAB_MMCV_KEY)"
 # (0.3 MB) is kept beside the wheel cache.
 MMSLAB_CUDA_TOOLS="$WHEELS/cuda-tools" \
 "$VPY" -P "$REPO/mmslab/utils/cuda_build.py" verify "$MMSLAB_MMCV_KIND" "$MMSLAB_MMCV_ARCHS"
-"$VPY" - <<'PYEOF'
+"$VPY" -P - <<'PYEOF'
 import torch
 from mmcv.ops import nms, roi_align
 boxes = torch.tensor([[0., 0., 10., 10.], [1., 1., 10., 10.], [20., 20., 30., 30.]])
