@@ -45,8 +45,8 @@ def test_layernorm_build_equals_mmdet_swin_on_cuda():
 
 @pytest.mark.parametrize('name', ['PRepBNSwin', 'SLABSwin', 'RePaSwin'])
 def test_amp_training_and_exact_fusion_on_cuda(name):
-    """fp16 autocast training steps with a loss scaler on CUDA give finite losses and
-    gradients; then fused == unfused in fp32 on CUDA, the CUDA outputs equal the CPU's, and the
+    """fp16 autocast training steps with a loss scaler on CUDA give finite losses and are
+    applied once the scale settles; then fused == unfused in fp32 on CUDA, the CUDA outputs equal the CPU's, and the
     fused model under fp16 autocast stays close to fp32."""
     torch.manual_seed(0)
     model = build_preset(name)
@@ -54,19 +54,25 @@ def test_amp_training_and_exact_fusion_on_cuda(name):
     model = model.to(CUDA).train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler('cuda')
-    for it in range(4):
+    applied = 0
+    for it in range(8):
         set_progressive_iter(model, it)
         with torch.autocast('cuda', dtype=torch.float16):
             outs = model(torch.randn(2, 3, 64, 72, device=CUDA))
             loss = sum(o.float().square().mean() for o in outs)
         assert torch.isfinite(loss)
         opt.zero_grad()
+        scale = scaler.get_scale()
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all()
-               for p in model.parameters() if p.requires_grad)
-    randomize_bn_statistics(model)
+        applied += scaler.get_scale() >= scale  # a skipped (overflowing) step halves the scale
+    # overflow is the loss scaler's start-up (65536 is too large), not a NaN in the fp16 path:
+    # once the scale has settled, steps are applied
+    assert applied >= 4, f'only {applied} of 8 fp16 steps applied'
+    model.cpu()
+    randomize_bn_statistics(model)  # seeded on the CPU
+    model.to(CUDA)
     model.eval()
     x = torch.randn(2, 3, 61, 83, device=CUDA)
     with torch.no_grad():

@@ -342,3 +342,18 @@ def test_cuda_recipe_compiles_cuda_code_with_the_plans_environment(tmp_path):
     assert cubins >= 1
     assert cuda_build.missing_archs('9.0', present) == [], present
     assert cuda_build.missing_archs('8.0', present) == ['8.0'], present
+
+
+def test_focal_loss_reference_matches_mmdet():
+    """The formula the GPU check compares mmcv's CUDA focal loss with is mmdet's pure-PyTorch
+    focal loss, in mmcv's 'mean' (sum over elements / rows; measured on an H100: CUDA
+    20.674881 vs this formula 20.674877)."""
+    import torch
+    from mmdet.models.losses.focal_loss import py_sigmoid_focal_loss
+    from mmslab.utils.cuda_build import focal_loss_reference
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(300, 80, generator=g)
+    labels = torch.randint(0, 81, (300, ), generator=g)
+    one_hot = torch.nn.functional.one_hot(labels, 81)[:, :80].float()
+    ref = py_sigmoid_focal_loss(logits, one_hot, gamma=2.0, alpha=0.25, reduction='sum') / 300
+    assert torch.allclose(focal_loss_reference(logits, labels, 2.0, 0.25), ref, rtol=1e-6)

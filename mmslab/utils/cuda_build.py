@@ -422,6 +422,20 @@ def missing_archs(requested: str, present: Sequence[str]) -> List[str]:
     return missing
 
 
+def focal_loss_reference(logits, labels, gamma: float, alpha: float):
+    """mmcv's ``sigmoid_focal_loss(logits, labels, gamma, alpha, None, 'mean')`` written out:
+    ``labels == num_classes`` is background, and mmcv's 'mean' divides the sum over all
+    elements by the number of rows (samples), not of elements."""
+    import torch
+    num_classes = logits.size(1)
+    one_hot = torch.nn.functional.one_hot(labels, num_classes + 1)[:, :num_classes].float()
+    p = logits.sigmoid()
+    pt = (1 - p) * one_hot + p * (1 - one_hot)
+    weight = (alpha * one_hot + (1 - alpha) * (1 - one_hot)) * pt.pow(gamma)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, one_hot, reduction='none')
+    return (bce * weight).sum() / logits.size(0)
+
+
 def verify_cuda_ops_on_gpu() -> List[str]:
     """Run mmcv's ``nms``, ``roi_align`` and ``sigmoid_focal_loss`` on CUDA against their CPU
     results (focal loss: mmdet's pure-PyTorch formula, as mmcv has no CPU kernel for it).
@@ -448,12 +462,7 @@ def verify_cuda_ops_on_gpu() -> List[str]:
     logits = torch.randn(300, 80, generator=g)
     labels = torch.randint(0, 81, (300, ), generator=g)  # 80 = background
     loss = sigmoid_focal_loss(logits.cuda(), labels.cuda(), 2.0, 0.25, None, 'mean').cpu()
-    one_hot = torch.nn.functional.one_hot(labels, 81)[:, :80].float()
-    p = logits.sigmoid()
-    pt = (1 - p) * one_hot + p * (1 - one_hot)
-    weight = (0.25 * one_hot + 0.75 * (1 - one_hot)) * pt.pow(2.0)
-    ref_loss = (torch.nn.functional.binary_cross_entropy_with_logits(
-        logits, one_hot, reduction='none') * weight).mean()
+    ref_loss = focal_loss_reference(logits, labels, 2.0, 0.25)
     diff = abs(loss.item() - ref_loss.item()) / ref_loss.item()
     assert diff < 1e-4, f'sigmoid_focal_loss: CUDA {loss.item()} vs formula {ref_loss.item()}'
     lines.append(f'sigmoid_focal_loss: CUDA {loss.item():.6f} vs formula {ref_loss.item():.6f}')
