@@ -78,3 +78,6 @@ def test_missing_openvino_names_the_extra(monkeypatch):
         runtimes.OpenVINOModel('model.xml')
     with pytest.raises(ImportError, match='OpenVINO is not installed'):
         runtimes.convert_to_openvino('model.onnx', 'out')
+    monkeypatch.setitem(sys.modules, 'nncf', None)
+    with pytest.raises(ImportError, match="NNCF is not installed.*optional extra 'openvino'"):
+        runtimes.import_openvino('nncf')

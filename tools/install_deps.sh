@@ -156,7 +156,16 @@ if [ "$EXISTING" = 1 ] && "$VPY" -c "import cv2" 2>/dev/null && \
     log "keeping this environment's OpenCV ($("$VPY" -c 'import cv2; print(cv2.__version__)')):" \
         "mmengine is installed without its opencv-python requirement"
     "${PIP[@]}" -q --no-deps mmengine==0.10.7
-    "${PIP[@]}" -q addict matplotlib numpy pyyaml rich termcolor yapf
+    # its other requirements, read from its metadata (markers kept for pip to evaluate)
+    mapfile -t MMENGINE_REQS < <("$VPY" -P - <<'PYEOF'
+import importlib.metadata as md
+import re
+for req in md.requires('mmengine') or []:
+    if 'extra ==' not in req and not re.match(r'opencv-python\b', req):
+        print(req)
+PYEOF
+)
+    "${PIP[@]}" -q "${MMENGINE_REQS[@]}"
     MMENGINE=()
     # mmslab's own install would resolve mmengine's requirements again: its requirements are
     # installed here and checked by name after it

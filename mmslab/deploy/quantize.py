@@ -18,7 +18,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-from .runtimes import OPENVINO_MISSING, OnnxRuntimeModel, import_openvino, pad_to_shape
+from .runtimes import OnnxRuntimeModel, import_openvino, pad_to_shape
 
 WEIGHT_OPS = ('MatMul', 'Gemm', 'Conv')  # the op types ORT INT8 quantizes (with weights)
 
@@ -95,10 +95,7 @@ def quantize_openvino(xml_path: str, out_path: str, calibration: Sequence[np.nda
     not shown, and every quantizer's range is checked to be finite instead.
     """
     ov = import_openvino()
-    try:
-        import nncf
-    except ImportError as e:
-        raise ImportError(OPENVINO_MISSING.format(what='NNCF')) from e
+    nncf = import_openvino('nncf')
     model = ov.Core().read_model(xml_path)
     dataset = nncf.Dataset(list(calibration))
     # adaptive pooling's bin products stay float (see onnx_export.PoolingProduct)

@@ -27,6 +27,7 @@ Writing the artifacts is the export side: ``tools/export_onnx.py`` with
 :func:`convert_to_openvino` (the IR of the ONNX file) and :mod:`mmslab.deploy.quantize`
 (calibration and INT8, which need the model).
 """
+import importlib
 import os
 import os.path as osp
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -48,19 +49,21 @@ ORT_NO_BF16 = ('onnxruntime has no bf16 compute on x86 CPUs: its CPU execution p
                'is for ARM64 CPUs, and fp16 MatMuls are no faster than fp32. Use OpenVINO bf16, '
                'eager PyTorch bf16, or onnxruntime fp32 / int8')
 
-OPENVINO_MISSING = ('{what} is not installed: OpenVINO and NNCF are the optional extra '
-                    "'openvino' (tools/install_deps.sh installs them unless MMSLAB_OPENVINO=0; "
-                    "or: pip install 'openvino>=2025.0' 'nncf>=2.16'). Without them use "
-                    '--backend onnxruntime')
+#: The packages of the optional extra 'openvino' -> their names in messages.
+OPENVINO_EXTRA = dict(openvino='OpenVINO', nncf='NNCF')
 
 
-def import_openvino():
-    """``openvino``, or an ImportError that says how to install it (an optional extra)."""
+def import_openvino(module: str = 'openvino'):
+    """``module`` of the optional extra 'openvino' (``openvino`` or ``nncf``), or an
+    ImportError that says how to install it."""
     try:
-        import openvino
+        return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(OPENVINO_MISSING.format(what='OpenVINO')) from e
-    return openvino
+        raise ImportError(
+            f'{OPENVINO_EXTRA[module]} is not installed: OpenVINO and NNCF are the optional '
+            "extra 'openvino' (tools/install_deps.sh installs them unless MMSLAB_OPENVINO=0; "
+            "or: pip install 'openvino>=2025.0' 'nncf>=2.16'). Without them use "
+            '--backend onnxruntime') from e
 
 
 # ----------------------------------------------------------------------------------------------

@@ -103,10 +103,10 @@ def window_softmax_setting() -> str:
     return _state['window_softmax']
 
 
-def linear_attention_form(kernel, form: Optional[str] = None) -> str:
-    """``heads`` or ``blockdiag``: the form SLA ``kernel`` computes in under ``form``
-    (default: the current ``linear_attention`` choice)."""
-    form = form or _state['linear_attention']
+def linear_attention_form(kernel) -> str:
+    """``heads`` or ``blockdiag``: the form SLA ``kernel`` computes in under the current
+    ``linear_attention`` choice."""
+    form = _state['linear_attention']
     if form == 'auto':
         return 'blockdiag' if kernel.num_heads <= BLOCKDIAG_MAX_HEADS else 'heads'
     return form
