@@ -315,6 +315,83 @@ def check_sla_padding():
     assert rel_err(out[8:12, 0:8].reshape(32, 16), ref) <= 1e-10
 
 
+def shifted_sla_reference(attn, x, hw):
+    """SLA in (shifted) windows, transcribed: the ``[H*W, C]`` map's qkv zero-padded to
+    whole windows, rolled by the shift, cut into windows; in each, the quadratic-order SLA
+    over its valid tokens and the DWC over the window grid (zeros where padded); rolled
+    back, cropped, ``proj``."""
+    kernel = attn.w_msa
+    (h, w), win, s = hw, kernel.window_size[0], attn.shift_size
+    c, heads = kernel.embed_dims, kernel.num_heads
+    d = c // heads
+    hp, wp = -(-h // win) * win, -(-w // win) * win
+    grid = x.new_zeros(hp, wp, 3 * c)
+    grid[:h, :w] = kernel.qkv(x).view(h, w, 3 * c)
+    valid = torch.zeros(hp, wp, dtype=torch.bool)
+    valid[:h, :w] = True
+    grid, valid = (t.roll((-s, -s), (0, 1)) for t in (grid, valid))
+    pos = kernel.positional_encoding[0]
+    out = x.new_zeros(hp, wp, c)
+    for i in range(0, hp, win):
+        for j in range(0, wp, win):
+            q, k, v = grid[i:i + win, j:j + win].reshape(-1, 3 * c).split(c, dim=-1)
+            keep = valid[i:i + win, j:j + win].reshape(-1)
+            k = k + pos
+            att = []
+            for hd in range(heads):
+                sl = slice(hd * d, (hd + 1) * d)
+                sim = F.relu(q[:, sl]) @ F.relu(k[keep, sl]).T
+                att.append(sim @ v[keep, sl] / (sim.sum(-1, keepdim=True) + 1e-6))
+            v_map = v.view(win, win, heads, d).permute(2, 3, 0, 1)
+            dw = F.conv2d(v_map, kernel.dwc.weight, kernel.dwc.bias, padding=2, groups=d)
+            out[i:i + win, j:j + win] = (torch.cat(att, -1) + dw.permute(2, 3, 0, 1).reshape(
+                -1, c)).view(win, win, c)
+    out = out.roll((s, s), (0, 1))[:h, :w].reshape(h * w, c)
+    return kernel.proj(out)
+
+
+@pytest.mark.parametrize('form', ['heads', 'blockdiag'])
+@pytest.mark.parametrize('shift', [False, True])
+def test_sla_windows_cropped_to_their_valid_span_match_the_padded_formula(form, shift):
+    """The windows of padded maps are computed cropped to their valid tokens
+    (``compact_window_groups``): maps whose shifted windows start with padding, wrap with a
+    padded gap between their two valid parts, or end in a partial window."""
+    torch.manual_seed(7)
+    attn = ShiftWindowAttention(16, 2, 8, shift=shift, attn_type='sla').double()
+    nn.init.normal_(attn.w_msa.positional_encoding, std=0.5)
+    with export_mode(linear_attention=form):
+        for hw in [(12, 12), (23, 31), (17, 8), (5, 30)]:
+            x = torch.randn(2, hw[0] * hw[1], 16, dtype=torch.float64)
+            out = attn(x, hw)
+            for b in range(2):
+                assert rel_err(out[b], shifted_sla_reference(attn, x[b], hw)) <= 1e-10
+            assert attn._layout(*hw, x.device)['compact'] is not None
+
+
+def test_compact_window_groups_cover_every_token_once():
+    from mmslab.models.layers.shift_window import compact_window_groups
+    # SLAB-Swin-T's stage 1 at 512 x 512: 128 x 128 tokens, windows of 56 (padded: 168)
+    plain = compact_window_groups(128, 128, 56, 56, 0)
+    shifted = compact_window_groups(128, 128, 56, 56, 28)
+    for layout in (plain, shifted):
+        assert sorted(layout['gather']) == list(range(128 * 128))  # no padded slot
+        assert (layout['gather'][layout['slot']] == range(128 * 128)).all()
+    # spans 56 / 56 / 16 per axis; shifted: 56 / 44 / 28, the last at positions 28..55
+    assert sorted((g['hw'], g['count']) for g in plain['groups']) == [
+        ((16, 16), 1), ((16, 56), 2), ((56, 16), 2), ((56, 56), 4)]
+    assert sorted(g['hw'] for g in shifted['groups']) == sorted(
+        (a, b) for a in (56, 44, 28) for b in (56, 44, 28))
+    assert {g['origin'] for g in shifted['groups']} == {
+        (a, b) for a in (0, 28) for b in (0, 28)}
+    # 200 rows: three whole windows, then the wrapped one, with rows 196..199 and 0..27 and
+    # 24 padded rows between them: all four span 56 rows, one group
+    wrapped = compact_window_groups(200, 56, 56, 56, 28)
+    assert len(wrapped['pad_slots']) == 24 * 56
+    (group, ) = wrapped['groups']
+    assert group['hw'] == (56, 56) and group['count'] == 4
+    assert group['valid'].sum(1).tolist() == [56 * 56] * 3 + [32 * 56]
+
+
 def test_binorm_matches_naive_and_ignores_padding():
     torch.manual_seed(5)
     attn = ShiftWindowAttention(8, 2, 4, attn_type='binorm').double()

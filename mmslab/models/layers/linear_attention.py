@@ -86,8 +86,10 @@ class SLA(Reparameterizable, WindowKernelBase):
     def _switch_to_deploy(self) -> None:
         pass  # structure-free (see the module docstring)
 
-    def _positional_encoding(self, window_hw) -> Tensor:
-        """``[1, wh*ww, C]`` encoding of a ``window_hw`` window (cropped or resized)."""
+    def _positional_encoding(self, window_hw, origin=(0, 0)) -> Tensor:
+        """``[1, wh*ww, C]`` encoding of a ``window_hw`` window (cropped or resized); a window
+        cropped to a span of a larger one (``origin``: the span's first position) takes the
+        encoding of its positions there."""
         c = self.embed_dims
         wh, ww = window_hw
         pos = self.positional_encoding
@@ -101,23 +103,29 @@ class SLA(Reparameterizable, WindowKernelBase):
         if (wh, ww) == self.window_size:
             return pos
         grid = pos.view(1, *self.window_size, c)
-        if not self.resize_pos and wh <= self.window_size[0] and ww <= self.window_size[1]:
+        r0, c0 = origin
+        if not self.resize_pos and r0 + wh <= self.window_size[0] and \
+                c0 + ww <= self.window_size[1]:
             # A window cropped to a smaller feature map: positions keep their encoding.
-            return grid[:, :wh, :ww].reshape(1, wh * ww, c)
+            return grid[:, r0:r0 + wh, c0:c0 + ww].reshape(1, wh * ww, c)
+        if origin != (0, 0):
+            raise ValueError(f'a {window_hw} span at {origin} does not fit the '
+                             f'{self.window_size} window')
         # global attention (PVT) or a larger window: resize the learned encoding
         return F.interpolate(grid.permute(0, 3, 1, 2), size=(wh, ww), mode='bilinear',
                              align_corners=False).flatten(2).transpose(1, 2)
 
     def attend(self, qkv, num_windows: int, window_hw: Tuple[int, int],
                shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
-               cache_key=None) -> Tensor:
+               cache_key=None, origin: Tuple[int, int] = (0, 0)) -> Tensor:
         """``qkv``: ``[B', N, 3C]``, or its three ``[B', N, C]`` parts (exported graphs
-        gather them separately: no split of the ``3C`` channels)."""
+        gather them separately: no split of the ``3C`` channels). ``origin``: where a window
+        cropped to its valid span starts in the full window (its positional encoding)."""
         q, k, v = qkv.split(self.embed_dims, dim=-1) if isinstance(qkv, Tensor) else qkv
         bw, n, c = q.shape
         wh, ww = window_hw
         h, d = self.num_heads, self.head_dims
-        pos = self._positional_encoding(window_hw)
+        pos = self._positional_encoding(window_hw, origin)
         dtype = torch.promote_types(q.dtype, torch.float32)  # never below fp32
         with torch.autocast(device_type=q.device.type, enabled=False):
             q = F.relu(q.to(dtype))
@@ -189,7 +197,8 @@ class BiNormAttention(Reparameterizable, WindowKernelBase):
 
     def attend(self, qkv: Tensor, num_windows: int, window_hw: Tuple[int, int],
                shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
-               cache_key=None) -> Tensor:
+               cache_key=None, origin: Tuple[int, int] = (0, 0)) -> Tensor:
+        # (origin: position-free, a cropped window computes as any other)
         # K^T V sums over every token of the window (3136 in a 56 x 56 one): in float16 it
         # overflows, and the L2 norms after it lose precision; float32 even under autocast.
         # (Casts only where the dtype differs: fp32 graphs stay as they were.)

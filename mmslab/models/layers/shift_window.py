@@ -50,6 +50,61 @@ def shift_window_mask(hp: Size, wp: Size, wh: Size, ww: Size, s: Size,
                        torch.tensor(-100.0, device=device), torch.tensor(0.0, device=device))
 
 
+def _axis_window_extents(size: int, win: int, shift: int) -> list:
+    """Along one axis of ``size`` tokens, padded to a multiple of ``win`` and cyclically
+    shifted by ``shift``: for each window that holds a valid token, ``(lo, hi, src)``, the
+    smallest span ``[lo, hi)`` of window positions holding all its valid tokens and the
+    source coordinate of each position in it (``>= size`` where padding lies inside the
+    span: a wrapped window whose two valid parts are not adjacent)."""
+    padded = -(-size // win) * win
+    extents = []
+    for start in range(0, padded, win):
+        src = (np.arange(start, start + win) + shift) % padded
+        valid = np.flatnonzero(src < size)
+        if valid.size:
+            lo, hi = int(valid[0]), int(valid[-1]) + 1
+            extents.append((lo, hi, src[lo:hi]))
+    return extents
+
+
+def compact_window_groups(h: int, w: int, wh: int, ww: int, shift: int) -> dict:
+    """The (shifted) windows of an ``h x w`` map, each cropped to the span of its valid
+    tokens and grouped by span, so that windows of one group stack into one batch.
+
+    For kernels that exclude padded tokens (``masks_padding``) this computes exactly what
+    the padded windows compute, without the padded slots: a padded slot holds a zero ``V``
+    and adds nothing to the kernel sums, and the window's zero border is what a convolution
+    over the cropped span pads with. Only a wrapped window whose valid parts are not
+    adjacent keeps the padded rows between them (marked in ``valid``).
+
+    Returns ``gather`` (``[S]`` source token of every slot, groups concatenated, windows
+    row-major inside a group; ``h*w`` for a padded slot), ``slot`` (``[h*w]`` the slot of
+    every token), ``pad_slots`` and ``groups``: per group ``start``, ``count`` (windows),
+    ``hw`` (the span's size), ``origin`` (its first window position, for position-dependent
+    kernels) and ``valid`` (``[count, hw]`` bool, or None without padded slots).
+    """
+    rows, cols = _axis_window_extents(h, wh, shift), _axis_window_extents(w, ww, shift)
+    spans = {}
+    for r_lo, r_hi, r_src in rows:
+        for c_lo, c_hi, c_src in cols:
+            index = np.where((r_src[:, None] < h) & (c_src[None, :] < w),
+                             r_src[:, None] * w + c_src[None, :], h * w)
+            spans.setdefault((r_lo, r_hi, c_lo, c_hi), []).append(index.reshape(-1))
+    gather, groups, start = [], [], 0
+    for (r_lo, r_hi, c_lo, c_hi), windows in sorted(spans.items()):
+        index = np.stack(windows)  # [count, hw]
+        valid = index < h * w
+        groups.append(dict(start=start, count=len(windows), hw=(r_hi - r_lo, c_hi - c_lo),
+                           origin=(r_lo, c_lo), valid=None if valid.all() else valid))
+        gather.append(index.reshape(-1))
+        start += index.size
+    gather = np.concatenate(gather)
+    slots = np.arange(gather.size)
+    slot = np.empty(h * w, dtype=np.int64)
+    slot[gather[gather < h * w]] = slots[gather < h * w]
+    return dict(gather=gather, slot=slot, pad_slots=slots[gather >= h * w], groups=groups)
+
+
 class ShiftWindowAttention(nn.Module):
     """Window attention with optional cyclic shift, as mmdet's ``ShiftWindowMSA``.
 
@@ -128,7 +183,10 @@ class ShiftWindowAttention(nn.Module):
         slots = torch.arange(gather.numel(), device=device)
         slot_of_token[gather[valid]] = slots[valid]
         pad_slots = slots[~valid]
-        layout = dict(wh=wh, ww=ww, num_windows=nwh * nww,
+        compact = None
+        if self.w_msa.masks_padding and pad_slots.numel():
+            compact = self._compact_layout(h, w, wh, ww, s, device)
+        layout = dict(wh=wh, ww=ww, num_windows=nwh * nww, compact=compact,
                       identity=(wh, ww) == (h, w) and s == 0,
                       gather=gather.clamp(max=h * w - 1), gather_or_pad=gather,
                       padded=bool(pad_slots.numel()), pad_slots=pad_slots,
@@ -141,6 +199,51 @@ class ShiftWindowAttention(nn.Module):
             self._cache.clear()
         self._cache[key] = layout
         return layout
+
+    @staticmethod
+    def _compact_layout(h: int, w: int, wh: int, ww: int, s: int, device) -> dict:
+        """:func:`compact_window_groups` as tensors on ``device``."""
+        groups = compact_window_groups(h, w, wh, ww, s)
+        gather = torch.from_numpy(groups['gather']).to(device)
+        for group in groups['groups']:
+            if group['valid'] is not None:
+                group['valid'] = torch.from_numpy(group['valid']).to(device)
+        return dict(groups=groups['groups'], gather_or_pad=gather,
+                    gather=gather.clamp(max=h * w - 1),
+                    slot=torch.from_numpy(groups['slot']).to(device),
+                    pad_slots=torch.from_numpy(groups['pad_slots']).to(device),
+                    padded=bool(groups['pad_slots'].size))
+
+    def _attend_compact(self, x: Tensor, compact: dict) -> Tensor:
+        """``[B, H*W, C]`` -> ``[B, H*W, C]`` before ``proj``: the kernel on the windows of
+        :func:`compact_window_groups`, one call per group (no padded slots to compute)."""
+        kernel = self.w_msa
+        b, c = x.shape[0], kernel.embed_dims
+        if exporting():
+            # as _qkv_windows' graphs: q, k, v projected on the tokens, each gathered
+            parts = kernel.qkv_parts(x)
+            if compact['padded']:
+                zero = x.new_zeros(c)
+                slots = tuple(self._gather_padded(part, zero, compact['gather_or_pad'])
+                              for part in parts)
+            else:
+                slots = tuple(part.index_select(1, compact['gather']) for part in parts)
+        else:
+            # eager: gather the C-channel tokens, then qkv (padded slots, if any, are zeros)
+            slots = kernel.qkv(x.index_select(1, compact['gather']))
+            if compact['padded']:
+                slots[:, compact['pad_slots']] = 0.0
+        outs = []
+        for group in compact['groups']:
+            n = group['hw'][0] * group['hw'][1]
+            span = slice(group['start'], group['start'] + group['count'] * n)
+            windows = slots[:, span].reshape(-1, n, 3 * c) if isinstance(slots, Tensor) else \
+                tuple(part[:, span].reshape(-1, n, c) for part in slots)
+            out = kernel.attend(windows, group['count'], group['hw'], valid=group['valid'],
+                                origin=group['origin'])
+            outs.append(out.reshape(b, -1, c))
+        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        return out.index_select(1, compact['slot'])
 
     def _graph_layout(self, x: Tensor, hw_shape) -> dict:
         """:meth:`_layout` for the shape-generic path: every size-dependent quantity computed
@@ -260,6 +363,8 @@ class ShiftWindowAttention(nn.Module):
             if tokens != h * w:
                 raise ValueError(f'input has {tokens} tokens but hw_shape {hw_shape} has {h * w}')
             lay = self._layout(h, w, x.device)
+        if lay.get('compact') is not None:
+            return kernel.proj_drop(kernel.proj(self._attend_compact(x, lay['compact'])))
         nw, wh, ww = lay['num_windows'], lay['wh'], lay['ww']
         n = wh * ww
         token_pad = split_layout_token(kernel)
