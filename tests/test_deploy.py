@@ -767,3 +767,42 @@ def test_crop_size():
     assert [_crop_size(768, 800, n) for n in (200, 100, 50, 25, 13)] == [192, 96, 48, 24, 12]
     assert [_crop_size(64, 96, n) for n in (24, 12, 6, 3, 2)] == [16, 8, 4, 2, 1]
     assert _crop_size(64, 96, 7) == 7  # no power-of-2 stride explains it: kept
+
+
+def test_openvino_compiles_a_free_size_model_for_each_input_shape(tmp_path):
+    """A free-size model runs fixed-size compiles of itself, the most recent kept, with the
+    free-size model's outputs; a fixed-size model and ``sizes_kept=0`` run as exported."""
+    pytest.importorskip('openvino')
+    from mmslab.deploy.runtimes import OpenVINOModel, convert_to_openvino, open_model
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.Conv2d(8, 4, 3, stride=2, padding=1)).eval()
+    paths = {}
+    for kind, axes in (('free', {'image': {2: 'h', 3: 'w'}}), ('fixed', None)):
+        onnx_path = str(tmp_path / f'{kind}.onnx')
+        torch.onnx.export(net, (torch.randn(1, 3, 16, 24), ), onnx_path, input_names=['image'],
+                          dynamic_axes=axes, dynamo=False, opset_version=18)
+        paths[kind] = convert_to_openvino(onnx_path, str(tmp_path / kind))
+    model = open_model(paths['free'], 'openvino', sizes_kept=2)
+    free = OpenVINOModel(paths['free'], sizes_kept=0)
+    images = [np.random.rand(1, 3, *hw).astype(np.float32)
+              for hw in ((16, 24), (20, 12), (16, 24), (8, 8), (16, 24))]
+    compiles = []
+    for image in images:
+        out = model(image)[0]
+        with torch.no_grad():
+            ref = net(torch.from_numpy(image)).numpy()
+        assert out.shape == ref.shape and np.abs(out - ref).max() <= 1e-4
+        assert np.abs(out - free(image)[0]).max() <= 1e-5
+        assert model.run(image, model.output_names)[model.output_names[0]].shape == ref.shape
+        compiles.append(model.compiles)
+    # (16, 24) and (20, 12) compiled once each; (8, 8) pushes out (20, 12), not the
+    # more recently used (16, 24)
+    assert compiles == [1, 2, 2, 3, 3]
+    assert list(model._fixed) == [(1, 3, 8, 8), (1, 3, 16, 24)]
+    assert free.compiles == 0
+    fixed = open_model(paths['fixed'], 'openvino')
+    fixed(images[0])
+    assert fixed.sizes_kept == 0 and fixed.compiles == 0 and fixed.input_hw == (16, 24)
+    with pytest.raises(ValueError, match='sizes_kept=-1'):
+        OpenVINOModel(paths['free'], sizes_kept=-1)

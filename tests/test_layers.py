@@ -272,7 +272,8 @@ def test_sla_matches_naive_quadratic_computation(form, heads):
     with export_mode(linear_attention=form):
         assert linear_attention_form(sla) == form
         out = sla.attend(qkv, 3, (4, 4)).reshape(3, 16, 16)
-        parts = sla.attend(qkv.split(16, dim=-1), 3, (4, 4)).reshape(3, 16, 16)
+        q, k, v = qkv.split(16, dim=-1)  # the parts as qkv_parts gives them: q after ReLU
+        parts = sla.attend((F.relu(q), k, v), 3, (4, 4)).reshape(3, 16, 16)
     assert torch.equal(out, parts)
     for b in range(3):
         ref = naive_sla(qkv[b], sla.positional_encoding[0], sla.dwc, heads, (4, 4))

@@ -30,6 +30,7 @@ Writing the artifacts is the export side: ``tools/export_onnx.py`` with
 import importlib
 import os
 import os.path as osp
+from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -195,46 +196,93 @@ class OnnxRuntimeModel(RuntimeModel):
         return dict(zip(names, outputs))
 
 
+#: How many input sizes an OpenVINO model of free size keeps compiled for (see
+#: :class:`OpenVINOModel`).
+OPENVINO_SIZES_KEPT = 4
+
+
 class OpenVINOModel(RuntimeModel):
     """``bf16``: OpenVINO computes the float parts in bf16 (``INFERENCE_PRECISION_HINT``);
-    refused on CPUs without bf16 units. INT8 models keep their int8 layers either way."""
+    refused on CPUs without bf16 units. INT8 models keep their int8 layers either way.
 
-    def __init__(self, path: str, threads: int = 0, bf16: bool = False):
+    ``sizes_kept``: a model exported for any input size is compiled again for each input
+    shape it meets, the ``sizes_kept`` most recently used kept (0: run the free-size model
+    as it is). OpenVINO's CPU plugin fuses far less in a graph of free size (element-wise
+    chains, layout transposes around convolutions): SLAB-Swin-T's backbone at 800 x 1344
+    took about 20 % longer free than fixed. A new shape costs one compile (about a second
+    for a backbone); images resized to a fixed scale and padded to a multiple of 32 come in
+    a few shapes. ``compiles`` counts them.
+    """
+
+    def __init__(self, path: str, threads: int = 0, bf16: bool = False,
+                 sizes_kept: int = OPENVINO_SIZES_KEPT):
         if bf16:
             from mmslab.utils.machine import require_bf16  # torch-free: /proc/cpuinfo flags
             require_bf16('OpenVINO bf16')
+        if sizes_kept < 0:
+            raise ValueError(f'sizes_kept={sizes_kept}: must be >= 0 (0: no shape-fixed '
+                             f'compiles)')
         ov = import_openvino()
         super().__init__('openvino', path, threads)
-        core = ov.Core()
-        self.compiled = core.compile_model(core.read_model(path), 'CPU',
-                                           openvino_config(threads, bf16))
+        self._core = ov.Core()
+        self._config = openvino_config(threads, bf16)
+        self._model = self._core.read_model(path)
+        self.compiled = self._core.compile_model(self._model, 'CPU', self._config)
         _one_input(path, len(self.compiled.inputs))
         dims = list(self.compiled.input(0).get_partial_shape())
         self.input_hw = tuple(d.get_length() if d.is_static else None for d in dims[-2:])
         self.output_names = sorted({n for o in self.compiled.outputs for n in o.get_names()})
         self.request = self.compiled.create_infer_request()
         self.precision = 'bf16' if bf16 else 'fp32'
+        self.sizes_kept = 0 if all(d.is_static for d in dims) else sizes_kept
+        self.compiles = 0
+        self._fixed = OrderedDict()  # input shape -> (compiled model, infer request)
+
+    def _for_shape(self, shape: Tuple[int, ...]):
+        """``(compiled, request)`` for an input of ``shape``: a copy of the model compiled
+        for that shape (kept, most recently used last), or the free-size model."""
+        if not self.sizes_kept:
+            return self.compiled, self.request
+        hit = self._fixed.get(shape)
+        if hit is not None:
+            self._fixed.move_to_end(shape)
+            return hit
+        model = self._model.clone()
+        model.reshape({model.input(0).any_name: list(shape)})
+        compiled = self._core.compile_model(model, 'CPU', self._config)
+        self.compiles += 1
+        self._fixed[shape] = hit = (compiled, compiled.create_infer_request())
+        while len(self._fixed) > self.sizes_kept:
+            self._fixed.popitem(last=False)
+        return hit
+
+    def _infer(self, image: np.ndarray):
+        image = np.ascontiguousarray(image)
+        compiled, request = self._for_shape(tuple(image.shape))
+        request.infer({0: image})
+        return compiled, request
 
     def __call__(self, image: np.ndarray) -> List[np.ndarray]:
-        self.request.infer({0: np.ascontiguousarray(image)})
+        compiled, request = self._infer(image)
         # copies: the request reuses its output buffers on the next call
-        return [self.request.get_output_tensor(i).data.copy()
-                for i in range(len(self.compiled.outputs))]
+        return [request.get_output_tensor(i).data.copy() for i in range(len(compiled.outputs))]
 
     def run(self, image: np.ndarray, names: Sequence[str]) -> Dict[str, np.ndarray]:
-        self.request.infer({0: np.ascontiguousarray(image)})
-        return {n: self.request.get_tensor(self.compiled.output(n)).data.copy() for n in names}
+        compiled, request = self._infer(image)
+        return {n: request.get_tensor(compiled.output(n)).data.copy() for n in names}
 
 
-def open_model(path: str, runtime: str, precision: str = 'fp32',
-               threads: int = 0) -> RuntimeModel:
+def open_model(path: str, runtime: str, precision: str = 'fp32', threads: int = 0,
+               sizes_kept: int = OPENVINO_SIZES_KEPT) -> RuntimeModel:
     """The model file ``path`` opened in ``runtime`` at ``precision`` (``'int8'``: ``path``
-    is an INT8 artifact; ``'bf16'``: OpenVINO computes the fp32 file in bf16)."""
+    is an INT8 artifact; ``'bf16'``: OpenVINO computes the fp32 file in bf16).
+    ``sizes_kept``: OpenVINO's shape-fixed compiles of a free-size model
+    (:class:`OpenVINOModel`)."""
     precision = resolve_precision(precision, runtime=runtime)
     if runtime == 'onnxruntime':
         model = OnnxRuntimeModel(path, threads)
     else:
-        model = OpenVINOModel(path, threads, bf16=precision == 'bf16')
+        model = OpenVINOModel(path, threads, bf16=precision == 'bf16', sizes_kept=sizes_kept)
     model.precision = precision
     return model
 

@@ -2,9 +2,10 @@
 
 Both compute ``K^T V`` first, so time and memory grow linearly with the tokens per window,
 and both exclude padded tokens exactly (padding never changes the valid tokens' outputs):
-padded slots reach them as zeros (``masks_padding``, see
-:class:`~mmslab.models.layers.window_attention.WindowKernelBase`), so ``V`` is zero there in
-``K^T V`` and in SLA's DWC, and only SLA's normalizer ``sum relu(k + p)`` needs the mask.
+``V`` is zero in padded slots (``masks_padding``, see
+:class:`~mmslab.models.layers.window_attention.WindowKernelBase`), so they add nothing to
+``K^T V`` or to SLA's DWC, only SLA's normalizer ``sum relu(k + p)`` needs the mask, and a
+padded slot's output is never read back (its ``q`` and ``k`` may hold anything finite).
 
 Neither has anything of its own to fuse: ``deploy`` only matters to the block, which folds
 its norm into ``qkv`` (giving it a bias). Their ``switch_to_deploy()`` is therefore a no-op
@@ -118,17 +119,19 @@ class SLA(Reparameterizable, WindowKernelBase):
     def attend(self, qkv, num_windows: int, window_hw: Tuple[int, int],
                shift_mask: Optional[Tensor] = None, valid: Optional[Tensor] = None,
                cache_key=None, origin: Tuple[int, int] = (0, 0)) -> Tensor:
-        """``qkv``: ``[B', N, 3C]``, or its three ``[B', N, C]`` parts (exported graphs
-        gather them separately: no split of the ``3C`` channels). ``origin``: where a window
-        cropped to its valid span starts in the full window (its positional encoding)."""
-        q, k, v = qkv.split(self.embed_dims, dim=-1) if isinstance(qkv, Tensor) else qkv
+        """``qkv``: ``[B', N, 3C]``, or its three ``[B', N, C]`` parts as :meth:`qkv_parts`
+        gives them, ``q`` after its ReLU (exported graphs gather them separately: no split of
+        the ``3C`` channels). ``origin``: where a window cropped to its valid span starts in
+        the full window (its positional encoding)."""
+        packed = isinstance(qkv, Tensor)
+        q, k, v = qkv.split(self.embed_dims, dim=-1) if packed else qkv
         bw, n, c = q.shape
         wh, ww = window_hw
         h, d = self.num_heads, self.head_dims
         pos = self._positional_encoding(window_hw, origin)
         dtype = torch.promote_types(q.dtype, torch.float32)  # never below fp32
         with torch.autocast(device_type=q.device.type, enabled=False):
-            q = F.relu(q.to(dtype))
+            q = F.relu(q.to(dtype)) if packed else q.to(dtype)
             k = (k.to(dtype) + pos.to(dtype)).relu_()
             v = v.to(dtype)  # zero in padded slots (the caller's contract, see WindowKernelBase)
             # The shared per-head DWC is one depth-wise conv over all C channels (weights tiled
@@ -144,7 +147,14 @@ class SLA(Reparameterizable, WindowKernelBase):
             else:
                 out = self._heads_split(q, k, v, z)
             out = out + dwc
-        return out.to(qkv.dtype if isinstance(qkv, Tensor) else qkv[0].dtype)
+        return out.to(qkv.dtype if packed else qkv[0].dtype)
+
+    def qkv_parts(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """:meth:`WindowKernelBase.qkv_parts` with ``q`` after its ReLU feature map: graphs
+        apply it on the tokens, where runtimes fuse it into the ``q`` MatMul (and where
+        there are no padded slots)."""
+        q, k, v = super().qkv_parts(x)
+        return F.relu(q), k, v
 
     def _heads_split(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor) -> Tensor:
         """Per-head products: ``[B', h, N, d]`` views, ``S = K^T V`` ``[B', h, d, d]`` and
@@ -159,17 +169,19 @@ class SLA(Reparameterizable, WindowKernelBase):
 
     def _heads_blockdiag(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor) -> Tensor:
         """The same products on all channels at once: ``K^T V`` ``[B', C, C]`` masked to its
-        per-head diagonal blocks, the normalizer as ``h`` more columns, and one
-        ``q [S | Z]`` ``[B', N, C + h]``: no head transposes (runtimes pay for those more
-        than for the ``h``-fold multiply-adds), exact (the masked blocks are zeros)."""
+        per-head diagonal blocks, ``q S`` ``[B', N, C]`` and the normalizer ``q Z``
+        ``[B', N, h]`` (``Z``: ``z`` on each head's block of rows): no head transposes
+        (runtimes pay for those more than for the ``h``-fold multiply-adds), exact (the
+        masked blocks are zeros). Two products rather than one on ``[S | Z]``: slicing the
+        ``C + h`` columns apart costs two copies of the output."""
         bw, n, c = q.shape
         h, d = self.num_heads, self.head_dims
         head = torch.arange(c, device=q.device) // d
         same_head = (head.view(-1, 1) == head.view(1, -1)).to(q.dtype)  # [C, C]
         of_head = (head.view(-1, 1) == torch.arange(h, device=q.device)).to(q.dtype)  # [C, h]
         kv = (k.transpose(1, 2) @ v) * same_head  # [B', C, C]
-        num = q @ torch.cat([kv, z.transpose(1, 2) * of_head], dim=-1)  # [B', N, C + h]
-        out = num[..., :c].reshape(bw, n, h, d) / (num[..., c:].unsqueeze(-1) + self.eps)
+        den = q @ (z.transpose(1, 2) * of_head)  # [B', N, h]
+        out = (q @ kv).reshape(bw, n, h, d) / (den.unsqueeze(-1) + self.eps)
         return out.reshape(bw, n, c)
 
 

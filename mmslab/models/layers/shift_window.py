@@ -4,6 +4,7 @@ from typing import Tuple
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 from .builder import build_window_attention
@@ -156,8 +157,10 @@ class ShiftWindowAttention(nn.Module):
         """Cached index maps between the ``h x w`` tokens and the (shifted, padded) windows.
 
         ``gather_or_pad``: for every window slot (windows row-major, tokens row-major inside),
-        the source token, or ``h*w`` for a padded slot (``gather``: the same, clamped to a
-        real token). ``bidx``/``pidx``: for every token, its window (batch 0) and position in
+        the source token, or ``h*w`` for a padded slot (``gather``, ``gather_any``: the same,
+        clamped to a real token). ``compact``: for kernels that mask padding, the windows
+        cropped to their valid span (:meth:`_compact_layout`), what eager runs and
+        fixed-size graphs compute when the map is padded. ``bidx``/``pidx``: for every token, its window (batch 0) and position in
         it, used to scatter the attention output back. Roll, pad, partition and their
         inverses become one gather each way.
         """
@@ -189,6 +192,7 @@ class ShiftWindowAttention(nn.Module):
         layout = dict(wh=wh, ww=ww, num_windows=nwh * nww, compact=compact,
                       identity=(wh, ww) == (h, w) and s == 0,
                       gather=gather.clamp(max=h * w - 1), gather_or_pad=gather,
+                      gather_any=gather.clamp(max=h * w - 1),
                       padded=bool(pad_slots.numel()), pad_slots=pad_slots,
                       bidx=slot_of_token // n, pidx=slot_of_token % n,
                       valid=valid.view(-1, n) if pad_slots.numel() else None,
@@ -208,8 +212,9 @@ class ShiftWindowAttention(nn.Module):
         for group in groups['groups']:
             if group['valid'] is not None:
                 group['valid'] = torch.from_numpy(group['valid']).to(device)
-        return dict(groups=groups['groups'], gather_or_pad=gather,
-                    gather=gather.clamp(max=h * w - 1),
+        clamped = gather.clamp(max=h * w - 1)
+        return dict(groups=groups['groups'], gather_or_pad=gather, gather=clamped,
+                    gather_any=clamped,
                     slot=torch.from_numpy(groups['slot']).to(device),
                     pad_slots=torch.from_numpy(groups['pad_slots']).to(device),
                     padded=bool(groups['pad_slots'].size))
@@ -220,14 +225,7 @@ class ShiftWindowAttention(nn.Module):
         kernel = self.w_msa
         b, c = x.shape[0], kernel.embed_dims
         if exporting():
-            # as _qkv_windows' graphs: q, k, v projected on the tokens, each gathered
-            parts = kernel.qkv_parts(x)
-            if compact['padded']:
-                zero = x.new_zeros(c)
-                slots = tuple(self._gather_padded(part, zero, compact['gather_or_pad'])
-                              for part in parts)
-            else:
-                slots = tuple(part.index_select(1, compact['gather']) for part in parts)
+            slots = self._gather_masked_parts(kernel.qkv_parts(x), compact)
         else:
             # eager: gather the C-channel tokens, then qkv (padded slots, if any, are zeros)
             slots = kernel.qkv(x.index_select(1, compact['gather']))
@@ -285,11 +283,28 @@ class ShiftWindowAttention(nn.Module):
             shift_mask = shift_window_mask(hp, wp, wh, ww, s, dev).to(x.dtype)
         # (whether any slot is padded is not known in the graph: taken as padded)
         return dict(wh=wh, ww=ww, num_windows=nwh * nww, identity=False, padded=True,
-                    gather=None,
+                    gather=None, gather_any=torch.where(valid, src_i * w + src_j, 0).reshape(-1),
                     gather_or_pad=torch.where(valid, src_i * w + src_j, h * w).reshape(-1),
                     valid_slots=valid, slot=slot.reshape(-1),
                     valid=valid.reshape(-1, n) if kernel.masks_padding else None,
                     cache_key=None, shift_mask=shift_mask)
+
+    @staticmethod
+    def _gather_masked_parts(parts, lay: dict):
+        """Graphs of kernels that mask padding: their q, k, v ``[B, T, C]`` (projected on the
+        tokens: no graph splits the ``3C`` channels, see
+        :meth:`WindowKernelBase.qkv_parts`) gathered into the window slots.
+
+        Only V must be zero in a padded slot (masked kernels never read a padded slot's
+        output back, and mask its key), so q and k gather any token there (``gather``:
+        the index clamped to a real token) and only V gathers from a zero-padded row (one
+        Pad; a Concat of the pad row is a slow reference kernel in OpenVINO's dynamic
+        graphs)."""
+        q, k, v = parts
+        if not lay['padded']:
+            return tuple(part.index_select(1, lay['gather']) for part in parts)
+        v = F.pad(v, (0, 0, 0, 1)).index_select(1, lay['gather_or_pad'])
+        return q.index_select(1, lay['gather_any']), k.index_select(1, lay['gather_any']), v
 
     @staticmethod
     def _gather_padded(rows: Tensor, pad: Tensor, index: Tensor) -> Tensor:
@@ -318,10 +333,7 @@ class ShiftWindowAttention(nn.Module):
             parts = kernel.qkv_parts(x)
             if lay['identity']:
                 return parts
-            if not lay['padded']:
-                return tuple(part.index_select(1, lay['gather']) for part in parts)
-            zero = x.new_zeros(kernel.embed_dims)
-            return tuple(self._gather_padded(part, zero, lay['gather_or_pad']) for part in parts)
+            return self._gather_masked_parts(parts, lay)
         if lay['identity']:
             return kernel.qkv(x)
         if not lay['padded']:

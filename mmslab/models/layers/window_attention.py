@@ -79,7 +79,8 @@ class WindowKernelBase(nn.Module):
 
     Class attributes: ``uses_shift_mask`` (mask the cyclic-shift seams, Swin style),
     ``masks_padding`` (padded tokens are excluded from the attention: their slots reach
-    :meth:`attend` as zeros, and ``valid`` marks them; otherwise they take the value a zero
+    :meth:`attend` with a zero ``V`` (``q`` and ``k`` finite, their outputs never read), and
+    ``valid`` marks them; otherwise they take the value a zero
     token has after ``qkv``, as in mmdet's Swin) and ``softmax_options`` (the
     constructor takes ``qk_scale`` and ``attn_drop``).
 
