@@ -21,7 +21,8 @@ from torch import Tensor
 
 from mmslab.registry import register_model
 from .reparameterizable import Reparameterizable
-from .export_mode import linear_attention_form, symbolic_shapes_enabled
+from .export_mode import (compiling, exporting, linear_attention_form,
+                          symbolic_shapes_enabled)
 from .window_attention import WindowKernelBase
 
 
@@ -140,13 +141,18 @@ class SLA(Reparameterizable, WindowKernelBase):
             weight = self.dwc.weight.repeat(h, 1, 1, 1).to(dtype)
             bias = None if self.dwc.bias is None else self.dwc.bias.repeat(h).to(dtype)
             dwc = F.conv2d(v_map, weight, bias, padding=self.dwc.padding, groups=c)
-            dwc = dwc.permute(0, 2, 3, 1).reshape(bw, n, c)
+            dwc = dwc.permute(0, 2, 3, 1).reshape(bw, n, h, d)
             z = _key_sum(k, valid)  # [B', 1, C]; padded slots add nothing to K^T V (v = 0)
             if linear_attention_form(self) == 'blockdiag':
-                out = self._heads_blockdiag(q, k, v, z)
+                num, den = self._heads_blockdiag(q, k, v, z)
             else:
-                out = self._heads_split(q, k, v, z)
-            out = out + dwc
+                num, den = self._heads_split(q, k, v, z)
+            den = den + self.eps
+            if exporting() or compiling():
+                out = num / den + dwc
+            else:  # one pass instead of two
+                out = torch.addcdiv(dwc, num, den)
+            out = out.reshape(bw, n, c)
         return out.to(qkv.dtype if packed else qkv[0].dtype)
 
     def qkv_parts(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -156,21 +162,23 @@ class SLA(Reparameterizable, WindowKernelBase):
         q, k, v = super().qkv_parts(x)
         return F.relu(q), k, v
 
-    def _heads_split(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor) -> Tensor:
-        """Per-head products: ``[B', h, N, d]`` views, ``S = K^T V`` ``[B', h, d, d]`` and
-        ``q [S | z]`` (numerator and normalizer from one product). ``[B', N, C]``."""
+    def _heads_split(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor) -> Tuple[Tensor, Tensor]:
+        """Per-head products on ``[B', h, N, d]`` views: ``S = K^T V`` ``[B', h, d, d]`` and
+        ``q [S | z]`` (numerator and normalizer from one product). Returns the numerator
+        ``[B', N, h, d]`` and the normalizer ``[B', N, h, 1]`` (views)."""
         bw, n, c = q.shape
         h, d = self.num_heads, self.head_dims
         qh, kh, vh = (_split_heads(t, h) for t in (q, k, v))
         kv = kh.transpose(-2, -1) @ vh  # [B', h, d, d]
         num = qh @ torch.cat([kv, z.view(bw, 1, h, d).permute(0, 2, 3, 1)], dim=-1)
-        out = num[..., :d] / (num[..., d:] + self.eps)  # [B', h, N, d]
-        return out.transpose(1, 2).reshape(bw, n, c)
+        num = num.transpose(1, 2)  # [B', N, h, d + 1]
+        return num[..., :d], num[..., d:]
 
-    def _heads_blockdiag(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor) -> Tensor:
+    def _heads_blockdiag(self, q: Tensor, k: Tensor, v: Tensor,
+                         z: Tensor) -> Tuple[Tensor, Tensor]:
         """The same products on all channels at once: ``K^T V`` ``[B', C, C]`` masked to its
-        per-head diagonal blocks, ``q S`` ``[B', N, C]`` and the normalizer ``q Z``
-        ``[B', N, h]`` (``Z``: ``z`` on each head's block of rows): no head transposes
+        per-head diagonal blocks, ``q S`` ``[B', N, h, d]`` and the normalizer ``q Z``
+        ``[B', N, h, 1]`` (``Z``: ``z`` on each head's block of rows): no head transposes
         (runtimes pay for those more than for the ``h``-fold multiply-adds), exact (the
         masked blocks are zeros). Two products rather than one on ``[S | Z]``: slicing the
         ``C + h`` columns apart costs two copies of the output."""
@@ -181,8 +189,7 @@ class SLA(Reparameterizable, WindowKernelBase):
         of_head = (head.view(-1, 1) == torch.arange(h, device=q.device)).to(q.dtype)  # [C, h]
         kv = (k.transpose(1, 2) @ v) * same_head  # [B', C, C]
         den = q @ (z.transpose(1, 2) * of_head)  # [B', N, h]
-        out = (q @ kv).reshape(bw, n, h, d) / (den.unsqueeze(-1) + self.eps)
-        return out.reshape(bw, n, c)
+        return (q @ kv).view(bw, n, h, d), den.unsqueeze(-1)
 
 
 @register_model()

@@ -213,7 +213,7 @@ class ShiftWindowAttention(nn.Module):
             if group['valid'] is not None:
                 group['valid'] = torch.from_numpy(group['valid']).to(device)
         clamped = gather.clamp(max=h * w - 1)
-        return dict(groups=groups['groups'], gather_or_pad=gather, gather=clamped,
+        return dict(groups=groups['groups'], gather_or_pad=gather, gather=clamped, tokens=h * w,
                     gather_any=clamped,
                     slot=torch.from_numpy(groups['slot']).to(device),
                     pad_slots=torch.from_numpy(groups['pad_slots']).to(device),
@@ -231,15 +231,25 @@ class ShiftWindowAttention(nn.Module):
             slots = kernel.qkv(x.index_select(1, compact['gather']))
             if compact['padded']:
                 slots[:, compact['pad_slots']] = 0.0
-        outs = []
+        graph = exporting() or compiling()
+        outs, tokens = [], None
         for group in compact['groups']:
             n = group['hw'][0] * group['hw'][1]
             span = slice(group['start'], group['start'] + group['count'] * n)
             windows = slots[:, span].reshape(-1, n, 3 * c) if isinstance(slots, Tensor) else \
                 tuple(part[:, span].reshape(-1, n, c) for part in slots)
             out = kernel.attend(windows, group['count'], group['hw'], valid=group['valid'],
-                                origin=group['origin'])
-            outs.append(out.reshape(b, -1, c))
+                                origin=group['origin']).reshape(b, -1, c)
+            if graph:
+                outs.append(out)
+                continue
+            # eager: each group's output copied straight to its tokens (padded slots to a
+            # spare row), one pass where concatenating and gathering back take two
+            if tokens is None:
+                tokens = out.new_empty(b, compact['tokens'] + 1, c)
+            tokens.index_copy_(1, compact['gather_or_pad'][span], out)
+        if not graph:
+            return tokens[:, :-1]
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
         return out.index_select(1, compact['slot'])
 
