@@ -20,7 +20,9 @@ Kinds of case:
 
 Exports are dynamic (free H, W: what ``tools/export_onnx.py`` writes by default) unless
 ``--export static``; ``both`` adds each runtime row of a static export (suffix ``static``)
-to compare the two in the same run. INT8 is calibrated for each runtime on its own path
+to compare the two in the same run. OpenVINO runs a dynamic export compiled for the
+benchmarked shape (``OpenVINOModel``'s default; the warm-up call compiles), as every mmslab
+path that opens an OpenVINO model does. INT8 is calibrated for each runtime on its own path
 (onnxruntime static QDQ per-channel; NNCF for OpenVINO) with ``--calib-images`` random
 images (latency does not depend on the calibration data; accuracy is measured by
 tools/test.py --backend ... --int8). Batch 1. Prints a table and the targets, writes

@@ -214,7 +214,7 @@ def main(argv=None):
         cfg, load_config(args.config, args.cfg_options)[0], config=args.config,
         checkpoint=args.checkpoint, part=part, task=task_of(model), outputs=names,
         shape=shape, dynamic=args.dynamic, seg_argmax=args.seg_argmax,
-        attention=attention_layout_report(model, args.attention),
+        attention=attention_layout_report(model, args.attention, args.dynamic),
         precisions=['fp32'] + (['int8'] if args.int8 else []), tolerance=FP32_TOLERANCE,
         export_seconds=round(export_s, 1), runtimes={})
     report['onnx_mb'] = onnx_size_mb(onnx_path)

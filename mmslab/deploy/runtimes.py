@@ -227,22 +227,25 @@ class OpenVINOModel(RuntimeModel):
         self._core = ov.Core()
         self._config = openvino_config(threads, bf16)
         self._model = self._core.read_model(path)
-        self.compiled = self._core.compile_model(self._model, 'CPU', self._config)
-        _one_input(path, len(self.compiled.inputs))
-        dims = list(self.compiled.input(0).get_partial_shape())
+        _one_input(path, len(self._model.inputs))
+        dims = list(self._model.input(0).get_partial_shape())
         self.input_hw = tuple(d.get_length() if d.is_static else None for d in dims[-2:])
-        self.output_names = sorted({n for o in self.compiled.outputs for n in o.get_names()})
-        self.request = self.compiled.create_infer_request()
+        self.output_names = sorted({n for o in self._model.outputs for n in o.get_names()})
         self.precision = 'bf16' if bf16 else 'fp32'
         self.sizes_kept = 0 if all(d.is_static for d in dims) else sizes_kept
         self.compiles = 0
         self._fixed = OrderedDict()  # input shape -> (compiled model, infer request)
+        self._free = None  # (compiled, request) of the model as read, compiled when used
 
     def _for_shape(self, shape: Tuple[int, ...]):
         """``(compiled, request)`` for an input of ``shape``: a copy of the model compiled
-        for that shape (kept, most recently used last), or the free-size model."""
+        for that shape (kept, most recently used last), or the model as read (compiled
+        once, only where it runs: a compiled copy holds its own weights)."""
         if not self.sizes_kept:
-            return self.compiled, self.request
+            if self._free is None:
+                compiled = self._core.compile_model(self._model, 'CPU', self._config)
+                self._free = (compiled, compiled.create_infer_request())
+            return self._free
         hit = self._fixed.get(shape)
         if hit is not None:
             self._fixed.move_to_end(shape)

@@ -37,16 +37,22 @@ def foreign_window_msa_classes() -> tuple:
     return tuple(classes)
 
 
-def attention_layout_report(model: nn.Module, layout: str) -> dict:
+def attention_layout_report(model: nn.Module, layout: str, dynamic: bool = True) -> dict:
     """What an export in ``layout`` (:mod:`~mmslab.models.layers.export_mode`) does with each
     window attention of ``model`` (for ``export.json``): ``{'layout', 'split', 'packed'}``,
     the counts of mmslab kernels in each form (kernels without the split form, or whose
-    folded norm no token maps to zero, stay packed) and ``mmdet_window_msa``, mmdet's /
-    mmseg's own ``WindowMSA`` modules (in the chosen layout)."""
+    folded norm no token maps to zero, stay packed), ``mmdet_window_msa``, mmdet's /
+    mmseg's own ``WindowMSA`` modules (in the chosen layout), ``linear_attention`` (SLA's
+    product forms) and ``linear_windows``: how the windows of kernels that mask padding
+    (SLA, BiNorm) meet a padded map, ``padded`` in a graph of free size (``dynamic``) or
+    ``cropped`` to each window's valid tokens in a fixed-size one."""
+    from .shift_window import ShiftWindowAttention  # (shift_window imports this module)
     check_attention_layout(layout)
     foreign_classes = foreign_window_msa_classes()
     split = packed = foreign = 0
     linear = dict(heads=0, blockdiag=0)
+    masked = sum(isinstance(m, ShiftWindowAttention) and m.w_msa.masks_padding
+                 for m in model.modules())
     for m in model.modules():
         if isinstance(m, WindowKernelBase):
             if takes_split_layout(m, layout):
@@ -58,7 +64,8 @@ def attention_layout_report(model: nn.Module, layout: str) -> dict:
         elif foreign_classes and isinstance(m, foreign_classes):
             foreign += 1
     return dict(layout=layout, split=split, packed=packed, mmdet_window_msa=foreign,
-                linear_attention=linear)
+                linear_attention=linear,
+                linear_windows=dict(form='padded' if dynamic else 'cropped', kernels=masked))
 
 
 def relative_position_index(window_size: Tuple[int, int]) -> Tensor:
