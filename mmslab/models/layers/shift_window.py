@@ -158,11 +158,11 @@ class ShiftWindowAttention(nn.Module):
 
         ``gather_or_pad``: for every window slot (windows row-major, tokens row-major inside),
         the source token, or ``h*w`` for a padded slot (``gather``, ``gather_any``: the same,
-        clamped to a real token). ``compact``: for kernels that mask padding, the windows
-        cropped to their valid span (:meth:`_compact_layout`), what eager runs and
-        fixed-size graphs compute when the map is padded. ``bidx``/``pidx``: for every token, its window (batch 0) and position in
-        it, used to scatter the attention output back. Roll, pad, partition and their
-        inverses become one gather each way.
+        clamped to a real token). ``bidx``/``pidx``: for every token, its window (batch 0)
+        and position in it, used to scatter the attention output back. Roll, pad, partition
+        and their inverses become one gather each way. ``compact``: for kernels that mask
+        padding, the windows cropped to their valid span (:meth:`_compact_layout`), what eager
+        runs and fixed-size graphs compute when the map is padded.
         """
         key = (h, w, str(device))
         layout = self._cache.get(key)
@@ -186,13 +186,13 @@ class ShiftWindowAttention(nn.Module):
         slots = torch.arange(gather.numel(), device=device)
         slot_of_token[gather[valid]] = slots[valid]
         pad_slots = slots[~valid]
+        clamped = gather.clamp(max=h * w - 1)
         compact = None
         if self.w_msa.masks_padding and pad_slots.numel():
             compact = self._compact_layout(h, w, wh, ww, s, device)
         layout = dict(wh=wh, ww=ww, num_windows=nwh * nww, compact=compact,
                       identity=(wh, ww) == (h, w) and s == 0,
-                      gather=gather.clamp(max=h * w - 1), gather_or_pad=gather,
-                      gather_any=gather.clamp(max=h * w - 1),
+                      gather=clamped, gather_or_pad=gather, gather_any=clamped,
                       padded=bool(pad_slots.numel()), pad_slots=pad_slots,
                       bidx=slot_of_token // n, pidx=slot_of_token % n,
                       valid=valid.view(-1, n) if pad_slots.numel() else None,
@@ -213,8 +213,8 @@ class ShiftWindowAttention(nn.Module):
             if group['valid'] is not None:
                 group['valid'] = torch.from_numpy(group['valid']).to(device)
         clamped = gather.clamp(max=h * w - 1)
-        return dict(groups=groups['groups'], gather_or_pad=gather, gather=clamped, tokens=h * w,
-                    gather_any=clamped,
+        return dict(groups=groups['groups'], gather_or_pad=gather, gather=clamped,
+                    gather_any=clamped, tokens=h * w,
                     slot=torch.from_numpy(groups['slot']).to(device),
                     pad_slots=torch.from_numpy(groups['pad_slots']).to(device),
                     padded=bool(groups['pad_slots'].size))
@@ -293,7 +293,8 @@ class ShiftWindowAttention(nn.Module):
             shift_mask = shift_window_mask(hp, wp, wh, ww, s, dev).to(x.dtype)
         # (whether any slot is padded is not known in the graph: taken as padded)
         return dict(wh=wh, ww=ww, num_windows=nwh * nww, identity=False, padded=True,
-                    gather=None, gather_any=torch.where(valid, src_i * w + src_j, 0).reshape(-1),
+                    gather=None,
+                    gather_any=torch.where(valid, src_i * w + src_j, 0).reshape(-1),
                     gather_or_pad=torch.where(valid, src_i * w + src_j, h * w).reshape(-1),
                     valid_slots=valid, slot=slot.reshape(-1),
                     valid=valid.reshape(-1, n) if kernel.masks_padding else None,
@@ -306,7 +307,7 @@ class ShiftWindowAttention(nn.Module):
         :meth:`WindowKernelBase.qkv_parts`) gathered into the window slots.
 
         Only V must be zero in a padded slot (masked kernels never read a padded slot's
-        output back, and mask its key), so q and k gather any token there (``gather``:
+        output back, and mask its key), so q and k gather any token there (``gather_any``:
         the index clamped to a real token) and only V gathers from a zero-padded row (one
         Pad; a Concat of the pad row is a slow reference kernel in OpenVINO's dynamic
         graphs)."""
