@@ -213,8 +213,9 @@ class ShiftWindowAttention(nn.Module):
             if group['valid'] is not None:
                 group['valid'] = torch.from_numpy(group['valid']).to(device)
         clamped = gather.clamp(max=h * w - 1)
+        # (the keys _qkv_windows reads, as in _layout)
         return dict(groups=groups['groups'], gather_or_pad=gather, gather=clamped,
-                    gather_any=clamped, tokens=h * w,
+                    gather_any=clamped, tokens=h * w, identity=False,
                     slot=torch.from_numpy(groups['slot']).to(device),
                     pad_slots=torch.from_numpy(groups['pad_slots']).to(device),
                     padded=bool(groups['pad_slots'].size))
@@ -224,14 +225,9 @@ class ShiftWindowAttention(nn.Module):
         :func:`compact_window_groups`, one call per group (no padded slots to compute)."""
         kernel = self.w_msa
         b, c = x.shape[0], kernel.embed_dims
-        if exporting():
-            slots = self._gather_masked_parts(kernel.qkv_parts(x), compact)
-        else:
-            # eager: gather the C-channel tokens, then qkv (padded slots, if any, are zeros)
-            slots = kernel.qkv(x.index_select(1, compact['gather']))
-            if compact['padded']:
-                slots[:, compact['pad_slots']] = 0.0
-        graph = exporting() or compiling()
+        slots = self._qkv_windows(x, compact)
+        # (torch.compile takes the shape-generic layout, never this one)
+        graph = exporting()
         outs, tokens = [], None
         for group in compact['groups']:
             n = group['hw'][0] * group['hw'][1]
@@ -339,8 +335,8 @@ class ShiftWindowAttention(nn.Module):
         graph = exporting() or lay['gather'] is None
         if graph and kernel.masks_padding:
             # Graphs of kernels that mask padding: q, k and v each projected on the tokens and
-            # gathered (a zero padded row): three [B, nW*N, C] parts, so no graph splits the
-            # 3C channels (WindowKernelBase.qkv_parts)
+            # gathered (V from a zero padded row): three [B, nW*N, C] parts, so no graph splits
+            # the 3C channels (WindowKernelBase.qkv_parts)
             parts = kernel.qkv_parts(x)
             if lay['identity']:
                 return parts

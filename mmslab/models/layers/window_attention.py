@@ -51,10 +51,11 @@ def attention_layout_report(model: nn.Module, layout: str, dynamic: bool = True)
     foreign_classes = foreign_window_msa_classes()
     split = packed = foreign = 0
     linear = dict(heads=0, blockdiag=0)
-    masked = sum(isinstance(m, ShiftWindowAttention) and m.w_msa.masks_padding
-                 for m in model.modules())
+    masked = 0  # windowed kernels that mask padding
     for m in model.modules():
-        if isinstance(m, WindowKernelBase):
+        if isinstance(m, ShiftWindowAttention):
+            masked += m.w_msa.masks_padding
+        elif isinstance(m, WindowKernelBase):
             if takes_split_layout(m, layout):
                 split += 1
             else:
