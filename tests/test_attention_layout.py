@@ -95,7 +95,8 @@ def test_kernel_without_a_padding_token_stays_packed_and_exact(tmp_path):
     total = sum(isinstance(m, WindowMSA) for m in model.modules())
     assert report == dict(layout='split', split=total - 1, packed=1, mmdet_window_msa=0,
                           linear_attention=dict(heads=0, blockdiag=0),
-                          linear_windows=dict(form='padded', kernels=0))
+                          linear_windows=dict(form='cropped', groups='runtime',
+                                              kernels=0))
     path = str(tmp_path / 'split.onnx')
     export_onnx(model, 'backbone', (75, 106), path, dynamic=True, attention='split')
     for r, o in zip(refs[0], run_onnx(path, inputs[0])):
@@ -112,11 +113,13 @@ def test_linear_attention_kernels_report_packed():
     kernels = [m for m in model.modules() if hasattr(m, 'attends_tokens')]
     assert report['packed'] == sum(not k.attends_tokens for k in kernels) > 0
     assert report['split'] == sum(k.attends_tokens for k in kernels) > 0
-    # SLA's windows: padded in a free-size graph, cropped to their valid tokens in a fixed one
+    # SLA's windows: cropped into runtime-sized groups in a free-size graph, grouped by span
+    # in a fixed-size one
     sla = sum(type(k).__name__ == 'SLA' for k in kernels)
-    assert report['linear_windows'] == dict(form='padded', kernels=sla) and sla > 0
+    assert report['linear_windows'] == dict(form='cropped', groups='runtime', kernels=sla)
+    assert sla > 0
     assert attention_layout_report(model, 'split', dynamic=False)['linear_windows'] == dict(
-        form='cropped', kernels=sla)
+        form='cropped', groups='span', kernels=sla)
 
 
 def test_unknown_layout_names_the_choices():

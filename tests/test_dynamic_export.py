@@ -67,6 +67,26 @@ def test_dynamic_backbone_graph_matches_unfused_model_at_every_size(name, attent
         assert_close(ref, run_onnx(path, x))
 
 
+def test_dynamic_sla_graph_in_openvino_compiled_for_each_size(tmp_path):
+    """SLAB-Swin's free-size graph (windows cropped into runtime-sized groups) in OpenVINO,
+    compiled for each input shape as deployment runs it: the unfused model's outputs at
+    every size, where shape-fixed compiles see the group sizes as constants."""
+    pytest.importorskip('openvino')
+    from mmslab.deploy.runtimes import convert_to_openvino, open_model
+    torch.manual_seed(0)
+    model = randomize_weights(build_preset('SLABSwin'))
+    inputs = [torch.randn(1, 3, *s) for s in SIZES + [(16, 24)]]
+    with torch.no_grad():
+        refs = [[o.numpy() for o in model(x)] for x in inputs]
+    mmslab.reparameterize(model)
+    path = str(tmp_path / 'backbone.onnx')
+    export_onnx(model, 'backbone', TRACE, path, dynamic=True)
+    ov_model = open_model(convert_to_openvino(path, str(tmp_path / 'openvino')), 'openvino')
+    for x, ref in zip(inputs, refs):
+        assert_close(ref, ov_model(x.numpy()), 1e-4)
+    assert ov_model.compiles == len(set(SIZES + [(16, 24)]))
+
+
 @pytest.mark.slow  # the fast lane's dynamic exports trace this path
 @pytest.mark.parametrize('name', ['SLABSwin', 'BiNormSwin', 'PRepBNSwin'])
 def test_symbolic_eager_path_matches_unfused_model(name):

@@ -353,20 +353,46 @@ def shifted_sla_reference(attn, x, hw):
 
 @pytest.mark.parametrize('form', ['heads', 'blockdiag'])
 @pytest.mark.parametrize('shift', [False, True])
-def test_sla_windows_cropped_to_their_valid_span_match_the_padded_formula(form, shift):
-    """The windows of padded maps are computed cropped to their valid tokens
-    (``compact_window_groups``): maps whose shifted windows start with padding, wrap with a
-    padded gap between their two valid parts, or end in a partial window."""
+@pytest.mark.parametrize('path,window', [('eager', 8), ('graph', 8), ('graph', 7)])
+def test_sla_windows_cropped_to_their_valid_span_match_the_padded_formula(form, shift, path,
+                                                                         window):
+    """The windows of padded maps are computed cropped to their valid tokens: eager and
+    fixed-size graphs group them by span (``compact_window_groups``), free-size graphs in
+    four runtime-sized groups (``graph``: the shape-generic path tracing records, sizes as
+    tensors). Maps whose shifted windows start with padding, wrap with a padded gap between
+    their two valid parts, end in a partial window, or fit in one window along one axis;
+    odd windows (shift ``(w - 1) / 2``) too."""
     torch.manual_seed(7)
-    attn = ShiftWindowAttention(16, 2, 8, shift=shift, attn_type='sla').double()
+    attn = ShiftWindowAttention(16, 2, window, shift=shift, attn_type='sla').double()
     nn.init.normal_(attn.w_msa.positional_encoding, std=0.5)
-    with export_mode(linear_attention=form):
-        for hw in [(12, 12), (23, 31), (17, 8), (5, 30)]:
+    nn.init.normal_(attn.w_msa.dwc.weight, std=0.5)
+    graph = path == 'graph'
+    with export_mode(linear_attention=form, symbolic=graph):
+        for hw in [(12, 12), (23, 31), (17, 8), (5, 30), (16, 11), (19, 6)]:
             x = torch.randn(2, hw[0] * hw[1], 16, dtype=torch.float64)
-            out = attn(x, hw)
+            out = attn(x, tuple(torch.tensor(v) for v in hw) if graph else hw)
             for b in range(2):
                 assert rel_err(out[b], shifted_sla_reference(attn, x[b], hw)) <= 1e-10
-            assert attn._layout(*hw, x.device)['compact'] is not None
+            if not graph:
+                assert attn._layout(*hw, x.device)['compact'] is not None
+
+
+@pytest.mark.parametrize('shift', [False, True])
+def test_free_size_graph_windows_skip_the_padding(shift):
+    """SLAB-Swin-T's stage 1 at 512 x 512 (128 x 128 tokens, windows of 56): the free-size
+    layout computes 16384 window slots unshifted (no padded one) and 19600 shifted (spans
+    56 + 56 + 28 per axis), where padded windows take 168 x 168 = 28224; every token has
+    exactly one slot that is read back, and it holds that token."""
+    attn = ShiftWindowAttention(8, 1, 56, shift=shift, attn_type='sla')
+    size = torch.tensor(128)
+    lay = attn._graph_compact_layout(torch.zeros(1, 128 * 128, 8), (size, size))
+    gather, slot = lay['gather_or_pad'], lay['slot']
+    assert len(gather) == (19600 if shift else 16384)
+    assert (gather[slot] == torch.arange(128 * 128)).all()
+    assert sorted(gather[gather < 128 * 128].tolist()) == list(range(128 * 128))
+    assert [g['count'] * g['hw'][0] * g['hw'][1] for g in lay['groups']] == (
+        [2 * 2 * 56 * 56, 2 * 56 * 28, 2 * 28 * 56, 28 * 28] if shift else
+        [2 * 2 * 56 * 56, 2 * 56 * 16, 2 * 16 * 56, 16 * 16])
 
 
 def test_compact_window_groups_cover_every_token_once():

@@ -20,8 +20,9 @@ Keys (schema :data:`SCHEMA_VERSION`):
   ``model_config_sha256`` (of the model section), ``checkpoint``, ``checkpoint_sha256``
   (null for ``--random-weights``), ``random_weights``, ``seg_argmax``, ``attention`` (the
   window-attention layout in the graph and how many blocks took it; ``linear_attention``: the
-  form of SLA's per-head products; ``linear_windows``: whether SLA's / BiNorm's windows are
-  padded, in a free-size graph, or cropped to their valid tokens, in a fixed-size one),
+  form of SLA's per-head products; ``linear_windows``: how SLA's / BiNorm's windows are
+  cropped of the padding, in runtime-sized groups in a free-size graph or grouped by span in
+  a fixed-size one),
   ``precisions``,
   ``versions``, ``machine``, and the measurements: parity and INT8 deviation per runtime,
   ``tolerance``, ``export_seconds``, ``onnx_mb``, ``int8``, ``parity_images``, ``latency``.

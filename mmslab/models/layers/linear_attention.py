@@ -101,7 +101,8 @@ class SLA(Reparameterizable, WindowKernelBase):
                 return F.interpolate(grid.permute(0, 3, 1, 2), size=(wh, ww), mode='bilinear',
                                      align_corners=False).flatten(2).transpose(1, 2)
             # the window never exceeds the learned one there (see ShiftWindowAttention)
-            return grid[:, :wh, :ww].reshape(1, -1, c)
+            r0, c0 = origin
+            return grid[:, r0:r0 + wh, c0:c0 + ww].reshape(1, -1, c)
         if (wh, ww) == self.window_size:
             return pos
         grid = pos.view(1, *self.window_size, c)

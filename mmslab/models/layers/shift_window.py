@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .builder import build_window_attention
 from .export_mode import compiling, exporting, split_layout_token, symbolic_shapes_enabled
-from .symbolic import Size, ceil_div, graph_size
+from .symbolic import Size, as_size, ceil_div, graph_size, size_max
 
 
 def window_partition(x: Tensor, wh: int, ww: int) -> Tensor:
@@ -104,6 +104,53 @@ def compact_window_groups(h: int, w: int, wh: int, ww: int, shift: int) -> dict:
     slot = np.empty(h * w, dtype=np.int64)
     slot[gather[gather < h * w]] = slots[gather < h * w]
     return dict(gather=gather, slot=slot, pad_slots=slots[gather >= h * w], groups=groups)
+
+
+def _axis_window_classes(size: Size, win: Size, shift: Size) -> dict:
+    """The (shifted, padded) windows along one axis of a shape-generic graph, in two classes
+    whose sizes come from the runtime ``size`` (tensors or ints; ``shift`` 0 or ``win // 2``),
+    each cropped of the padding it can lose exactly:
+
+    * ``full``: windows ``0 .. n-2`` of the padded frame, ``win`` positions each (with
+      a shift, the last of them may end in padded positions, which stay: masked);
+    * ``tail``: the span ``[tail_start, tail_start + tail_len)`` of the last window that holds
+      its valid tokens. Unshifted, the valid prefix of the window. Shifted, the window wraps
+      the map's first ``shift`` tokens behind its last ones: the whole window (padding
+      between its two parts kept, for SLA's convolution) when the padding is shorter than
+      ``win - shift`` (valid tokens precede it), else only the wrapped ``shift`` tokens.
+
+    No class is ever empty, so no graph holds a zero-size tensor (OpenVINO's shape-fixed
+    compile mis-infers those): a map of one window has one ``full`` window anyway, the
+    whole padded frame, whose outputs no token reads back (its tokens read the tail's).
+
+    Returns ``full_src`` ``[full_count, win]`` and ``tail_src`` ``[tail_len]``: the source
+    coordinate of every position (``>= size``: padding), and for every coordinate of the axis
+    its class (``tail``: bool), window in the class and position in that window.
+    """
+    size = as_size(size)
+    dev = size.device
+    # Python ints as tensors that follow the traced size (torch.tensor would be a constant)
+    win, shift = (v if isinstance(v, Tensor) else torch.full_like(size, v) for v in (win, shift))
+    n = ceil_div(size, win)
+    padded = n * win
+    last = (n - 1) * win  # start of the last window
+    # shifted: the whole wrapped window if a valid token precedes its padding (the padding
+    # is shorter than win - shift), else only its wrapped part
+    tail_len = torch.where(shift == 0, size - last,
+                           torch.where(padded - size < win - shift, win, shift))
+    tail_start = torch.where(shift == 0, last, padded - tail_len)
+    full_count = size_max(n - 1, 1)
+    full_pos = (torch.arange(full_count, device=dev).view(-1, 1) * win +
+                torch.arange(win, device=dev).view(1, -1))
+    tail_pos = tail_start + torch.arange(tail_len, device=dev)
+    # where the shift moved each coordinate of the map, and which window holds it
+    frame = (torch.arange(size, device=dev) - shift + padded) % padded
+    tail = frame >= tail_start
+    window = torch.where(tail, 0, frame // win)
+    return dict(full_src=(full_pos + shift) % padded, full_count=full_count,
+                tail_src=(tail_pos + shift) % padded, tail_len=tail_len,
+                tail_origin=tail_start - last, tail=tail, window=window,
+                position=torch.where(tail, frame - tail_start, frame - window * win))
 
 
 class ShiftWindowAttention(nn.Module):
@@ -226,8 +273,9 @@ class ShiftWindowAttention(nn.Module):
         kernel = self.w_msa
         b, c = x.shape[0], kernel.embed_dims
         slots = self._qkv_windows(x, compact)
-        # (torch.compile takes the shape-generic layout, never this one)
-        graph = exporting()
+        # graph form when traced, and on the shape-generic layout (no gather: as
+        # _graph_layout), which eager runs under export_mode(symbolic=True)
+        graph = exporting() or compact['gather'] is None
         outs, tokens = [], None
         for group in compact['groups']:
             n = group['hw'][0] * group['hw'][1]
@@ -258,18 +306,7 @@ class ShiftWindowAttention(nn.Module):
         kernel = self.w_msa
         dev = x.device
         h, w = graph_size(hw_shape[0], dev), graph_size(hw_shape[1], dev)
-        wh, ww = self.window_size
-        s = self.shift_size
-        if kernel.masks_padding and not isinstance(h, Tensor):
-            # torch.compile: symbolic ints; the comparison is a guard, as in _window_for
-            wh, ww = self._window_for(h, w)
-            s = s if (wh, ww) == self.window_size else 0
-        elif kernel.masks_padding:
-            # as _window_for: a map that fits in one window becomes the (unshifted) window
-            fits = (h <= wh) & (w <= ww)
-            shrunk = fits & ((h != wh) | (w != ww))  # the shift stays on a full window
-            wh, ww = torch.where(fits, h, wh), torch.where(fits, w, ww)
-            s = torch.where(shrunk, 0, s)
+        wh, ww, s = self._graph_window(h, w)
         nwh, nww = ceil_div(h, wh), ceil_div(w, ww)
         hp, wp = nwh * wh, nww * ww
         n = wh * ww
@@ -295,6 +332,72 @@ class ShiftWindowAttention(nn.Module):
                     valid_slots=valid, slot=slot.reshape(-1),
                     valid=valid.reshape(-1, n) if kernel.masks_padding else None,
                     cache_key=None, shift_mask=shift_mask)
+
+    def _graph_window(self, h: Size, w: Size):
+        """``(wh, ww, shift)`` for an ``h x w`` map on the shape-generic path: sizes as
+        :meth:`_layout` chooses them (:meth:`_window_for`), from tensors or symbolic ints."""
+        wh, ww = self.window_size
+        s = self.shift_size
+        if not self.w_msa.masks_padding:
+            return wh, ww, s
+        if not isinstance(h, Tensor):
+            # torch.compile: symbolic ints; the comparison is a guard, as in _window_for
+            wh, ww = self._window_for(h, w)
+            return wh, ww, s if (wh, ww) == self.window_size else 0
+        # as _window_for: a map that fits in one window becomes the (unshifted) window
+        fits = (h <= wh) & (w <= ww)
+        shrunk = fits & ((h != wh) | (w != ww))  # the shift stays on a full window
+        return torch.where(fits, h, wh), torch.where(fits, w, ww), torch.where(shrunk, 0, s)
+
+    def _graph_compact_layout(self, x: Tensor, hw_shape) -> dict:
+        """:meth:`_compact_layout` for graphs with a free height and width, kernels that mask
+        padding: each axis's windows in two classes of runtime size
+        (:func:`_axis_window_classes`), so four groups of windows (full x full, full x
+        tail, tail x full, tail x tail), each cropped of the padding it can lose exactly. At
+        512x512, stage 1 computes 16384 (unshifted) and 19600 (shifted) window slots where the
+        padded windows take 28224."""
+        dev = x.device
+        h, w = as_size(hw_shape[0], dev), as_size(hw_shape[1], dev)
+        wh, ww, s = self._graph_window(h, w)
+        axes = (_axis_window_classes(h, wh, s), _axis_window_classes(w, ww, s))
+        wins = (wh, ww)
+
+        def axis_class(a: int, tail: bool):
+            """(source coordinates [count, length], count, length, origin) of a class."""
+            cls = axes[a]
+            if tail:
+                return cls['tail_src'].view(1, -1), 1, cls['tail_len'], cls['tail_origin']
+            return cls['full_src'], cls['full_count'], wins[a], 0
+
+        groups, gather, start, starts = [], [], h * 0, []
+        for tail_r in (False, True):
+            for tail_c in (False, True):
+                src_r, count_r, len_r, origin_r = axis_class(0, tail_r)
+                src_c, count_c, len_c, origin_c = axis_class(1, tail_c)
+                # [count_r, count_c, len_r, len_c]: windows row-major, tokens row-major
+                src_r, src_c = src_r.view(count_r, 1, -1, 1), src_c.view(1, count_c, 1, -1)
+                valid = (src_r < h) & (src_c < w)
+                gather.append(torch.where(valid, src_r * w + src_c, h * w).reshape(-1))
+                count = count_r * count_c
+                groups.append(dict(start=start, count=count, hw=(len_r, len_c),
+                                   origin=(origin_r, origin_c),
+                                   valid=valid.reshape(count, -1)))
+                starts.append(start)
+                start = start + count * len_r * len_c
+        gather = torch.cat(gather)
+        # the slot of every token: its group's start + its place there
+        rows, cols = axes
+        tail_r, tail_c = rows['tail'].view(-1, 1), cols['tail'].view(1, -1)
+        count_c = torch.where(tail_c, 1, cols['full_count'])
+        len_r = torch.where(tail_r, rows['tail_len'], wh)
+        len_c = torch.where(tail_c, cols['tail_len'], ww)
+        group = tail_r.long() * 2 + tail_c.long()
+        slot = (torch.stack(starts)[group] +
+                ((rows['window'].view(-1, 1) * count_c + cols['window'].view(1, -1)) * len_r +
+                 rows['position'].view(-1, 1)) * len_c + cols['position'].view(1, -1))
+        return dict(groups=groups, gather_or_pad=gather, gather=None, identity=False,
+                    gather_any=torch.where(gather < h * w, gather, 0), padded=True,
+                    slot=slot.reshape(-1))
 
     @staticmethod
     def _gather_masked_parts(parts, lay: dict):
@@ -371,6 +474,10 @@ class ShiftWindowAttention(nn.Module):
         """``[B, H*W, C]`` -> ``[B, H*W, C]``."""
         kernel = self.w_msa
         c = kernel.embed_dims
+        if symbolic_shapes_enabled() and kernel.masks_padding and not compiling():
+            # free-size graphs: windows cropped to runtime-sized groups
+            compact = self._graph_compact_layout(x, hw_shape)
+            return kernel.proj_drop(kernel.proj(self._attend_compact(x, compact)))
         if symbolic_shapes_enabled():
             lay = self._graph_layout(x, hw_shape)
             b, tokens = x.shape[0], x.shape[1]

@@ -44,8 +44,9 @@ def attention_layout_report(model: nn.Module, layout: str, dynamic: bool = True)
     folded norm no token maps to zero, stay packed), ``mmdet_window_msa``, mmdet's /
     mmseg's own ``WindowMSA`` modules (in the chosen layout), ``linear_attention`` (SLA's
     product forms) and ``linear_windows``: how the windows of kernels that mask padding
-    (SLA, BiNorm) meet a padded map, ``padded`` in a graph of free size (``dynamic``) or
-    ``cropped`` to each window's valid tokens in a fixed-size one."""
+    (SLA, BiNorm) meet a padded map: ``cropped`` of the padding, grouped in four groups
+    of runtime size (``groups='runtime'``) in a graph of free size (``dynamic``), by the
+    span of their valid tokens (``groups='span'``) in a fixed-size one."""
     from .shift_window import ShiftWindowAttention  # (shift_window imports this module)
     check_attention_layout(layout)
     foreign_classes = foreign_window_msa_classes()
@@ -66,7 +67,8 @@ def attention_layout_report(model: nn.Module, layout: str, dynamic: bool = True)
             foreign += 1
     return dict(layout=layout, split=split, packed=packed, mmdet_window_msa=foreign,
                 linear_attention=linear,
-                linear_windows=dict(form='padded' if dynamic else 'cropped', kernels=masked))
+                linear_windows=dict(form='cropped', groups='runtime' if dynamic else 'span',
+                                    kernels=masked))
 
 
 def relative_position_index(window_size: Tuple[int, int]) -> Tensor:
