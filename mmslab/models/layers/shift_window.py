@@ -256,10 +256,13 @@ class ShiftWindowAttention(nn.Module):
         """:func:`compact_window_groups` as tensors on ``device``."""
         groups = compact_window_groups(h, w, wh, ww, s)
         gather = torch.from_numpy(groups['gather']).to(device)
+        clamped = gather.clamp(max=h * w - 1)
         for group in groups['groups']:
             if group['valid'] is not None:
                 group['valid'] = torch.from_numpy(group['valid']).to(device)
-        clamped = gather.clamp(max=h * w - 1)
+            span = slice(group['start'], group['start'] + group['count'] * np.prod(group['hw']))
+            # (graphs gather each group by its own index: constants of the graph)
+            group.update(gather_or_pad=gather[span], gather_any=clamped[span])
         # (the keys _qkv_windows reads, as in _layout)
         return dict(groups=groups['groups'], gather_or_pad=gather, gather=clamped,
                     gather_any=clamped, tokens=h * w, identity=False,
@@ -272,16 +275,30 @@ class ShiftWindowAttention(nn.Module):
         :func:`compact_window_groups`, one call per group (no padded slots to compute)."""
         kernel = self.w_msa
         b, c = x.shape[0], kernel.embed_dims
-        slots = self._qkv_windows(x, compact)
         # graph form when traced, and on the shape-generic layout (no gather: as
         # _graph_layout), which eager runs under export_mode(symbolic=True)
         graph = exporting() or compact['gather'] is None
+        if graph:
+            # q, k, v projected on the tokens, V with a zero row for padded slots (see
+            # _gather_masked_parts), each group gathered from them: no Slice copies a
+            # group out of one gather of all slots
+            q, k, v = kernel.qkv_parts(x)
+            v = F.pad(v, (0, 0, 0, 1))
+        else:
+            slots = self._qkv_windows(x, compact)
         outs, tokens = [], None
         for group in compact['groups']:
             n = group['hw'][0] * group['hw'][1]
-            span = slice(group['start'], group['start'] + group['count'] * n)
-            windows = slots[:, span].reshape(-1, n, 3 * c) if isinstance(slots, Tensor) else \
-                tuple(part[:, span].reshape(-1, n, c) for part in slots)
+            if graph:
+                windows = (q.index_select(1, group['gather_any']),
+                           k.index_select(1, group['gather_any']),
+                           v.index_select(1, group['gather_or_pad']))
+                windows = tuple(part.reshape(-1, n, c) for part in windows)
+            else:
+                span = slice(group['start'], group['start'] + group['count'] * n)
+                windows = slots[:, span].reshape(-1, n, 3 * c) \
+                    if isinstance(slots, Tensor) else \
+                    tuple(part[:, span].reshape(-1, n, c) for part in slots)
             out = kernel.attend(windows, group['count'], group['hw'], valid=group['valid'],
                                 origin=group['origin']).reshape(b, -1, c)
             if graph:
@@ -369,7 +386,7 @@ class ShiftWindowAttention(nn.Module):
                 return cls['tail_src'].view(1, -1), 1, cls['tail_len'], cls['tail_origin']
             return cls['full_src'], cls['full_count'], wins[a], 0
 
-        groups, gather, start, starts = [], [], h * 0, []
+        groups, start, starts = [], h * 0, []
         for tail_r in (False, True):
             for tail_c in (False, True):
                 src_r, count_r, len_r, origin_r = axis_class(0, tail_r)
@@ -377,14 +394,15 @@ class ShiftWindowAttention(nn.Module):
                 # [count_r, count_c, len_r, len_c]: windows row-major, tokens row-major
                 src_r, src_c = src_r.view(count_r, 1, -1, 1), src_c.view(1, count_c, 1, -1)
                 valid = (src_r < h) & (src_c < w)
-                gather.append(torch.where(valid, src_r * w + src_c, h * w).reshape(-1))
+                index = src_r * w + src_c
                 count = count_r * count_c
                 groups.append(dict(start=start, count=count, hw=(len_r, len_c),
                                    origin=(origin_r, origin_c),
-                                   valid=valid.reshape(count, -1)))
+                                   valid=valid.reshape(count, -1),
+                                   gather_or_pad=torch.where(valid, index, h * w).reshape(-1),
+                                   gather_any=torch.where(valid, index, 0).reshape(-1)))
                 starts.append(start)
                 start = start + count * len_r * len_c
-        gather = torch.cat(gather)
         # the slot of every token: its group's start + its place there
         rows, cols = axes
         tail_r, tail_c = rows['tail'].view(-1, 1), cols['tail'].view(1, -1)
@@ -395,9 +413,7 @@ class ShiftWindowAttention(nn.Module):
         slot = (torch.stack(starts)[group] +
                 ((rows['window'].view(-1, 1) * count_c + cols['window'].view(1, -1)) * len_r +
                  rows['position'].view(-1, 1)) * len_c + cols['position'].view(1, -1))
-        return dict(groups=groups, gather_or_pad=gather, gather=None, identity=False,
-                    gather_any=torch.where(gather < h * w, gather, 0), padded=True,
-                    slot=slot.reshape(-1))
+        return dict(groups=groups, gather=None, slot=slot.reshape(-1))
 
     @staticmethod
     def _gather_masked_parts(parts, lay: dict):
