@@ -761,6 +761,54 @@ def test_quantizer_ranges_must_be_finite():
         check_quantizer_ranges(model(np.inf))
 
 
+def test_onnxruntime_int8_keeps_weight_layer_outputs_float(tmp_path, monkeypatch):
+    """INT8 for onnxruntime quantizes the inputs and weights of MatMul / Gemm layers but not
+    their outputs (the kernel dequantizes them, ``MatMulIntegerToFloat``): on inputs it was
+    not calibrated on, within INT8 error of the float graph and no further from it than
+    with quantized outputs (one rounding fewer)."""
+    import onnx
+    import onnxruntime as ort
+    from mmslab.deploy import quantize
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):  # a token MLP with a residual, as in a transformer block
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+        def forward(self, image):
+            x = image.flatten(2).transpose(1, 2)  # [1, 64, 32]
+            return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+    net = Block().eval()
+    path = str(tmp_path / 'block.onnx')
+    torch.onnx.export(net, (torch.randn(1, 32, 8, 8), ), path, input_names=['image'],
+                      dynamo=False, opset_version=18)
+    calib = [np.random.RandomState(i).randn(1, 32, 8, 8).astype(np.float32) for i in range(4)]
+    image = np.random.RandomState(9).randn(1, 32, 8, 8).astype(np.float32)
+    with torch.no_grad():
+        ref = net(torch.from_numpy(image)).numpy()
+
+    def quantized(name):
+        q = quantize.quantize_onnxruntime(path, str(tmp_path / name), calib)
+        out = ort.InferenceSession(q, providers=['CPUExecutionProvider']).run(
+            None, {'image': image})[0]
+        return onnx.load(q).graph, np.sqrt(((out - ref) ** 2).mean() / (ref ** 2).mean())
+
+    graph, error = quantized('float_outputs.onnx')
+    producer = {o: n.op_type for n in graph.node for o in n.output}
+    quantized_inputs = [producer.get(n.input[0]) for n in graph.node
+                        if n.op_type == 'QuantizeLinear']
+    assert quantized_inputs and not {'MatMul', 'Gemm'} & set(quantized_inputs)
+    assert sum(n.op_type == 'MatMul' for n in graph.node) == 2
+    monkeypatch.setattr(quantize, 'FLOAT_OUTPUT_OPS', ())
+    graph, error_quantized_outputs = quantized('quantized_outputs.onnx')
+    producer = {o: n.op_type for n in graph.node for o in n.output}
+    assert any(producer.get(n.input[0]) == 'MatMul' for n in graph.node
+               if n.op_type == 'QuantizeLinear')
+    assert error < 0.02 and error <= error_quantized_outputs
+
+
 def test_crop_size():
     from mmslab.engine.hooks.runtime_backend_hook import _crop_size
     # FPN levels of an 800-row export (strides 4..64), cropped for a 768-row input
