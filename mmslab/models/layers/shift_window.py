@@ -491,7 +491,9 @@ class ShiftWindowAttention(nn.Module):
         kernel = self.w_msa
         c = kernel.embed_dims
         if symbolic_shapes_enabled() and kernel.masks_padding and not compiling():
-            # free-size graphs: windows cropped to runtime-sized groups
+            # free-size graphs: windows cropped to runtime-sized groups (torch.compile keeps
+            # _graph_layout's padded windows: group sizes taken from sizes would be
+            # data-dependent shapes to dynamo)
             compact = self._graph_compact_layout(x, hw_shape)
             return kernel.proj_drop(kernel.proj(self._attend_compact(x, compact)))
         if symbolic_shapes_enabled():
