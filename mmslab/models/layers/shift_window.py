@@ -261,11 +261,10 @@ class ShiftWindowAttention(nn.Module):
             if group['valid'] is not None:
                 group['valid'] = torch.from_numpy(group['valid']).to(device)
             span = slice(group['start'], group['start'] + group['count'] * np.prod(group['hw']))
-            # (graphs gather each group by its own index: constants of the graph)
+            # (graphs gather each group by its own index, eager writes its outputs back by it)
             group.update(gather_or_pad=gather[span], gather_any=clamped[span])
         # (the keys _qkv_windows reads, as in _layout)
-        return dict(groups=groups['groups'], gather_or_pad=gather, gather=clamped,
-                    gather_any=clamped, tokens=h * w, identity=False,
+        return dict(groups=groups['groups'], gather=clamped, tokens=h * w, identity=False,
                     slot=torch.from_numpy(groups['slot']).to(device),
                     pad_slots=torch.from_numpy(groups['pad_slots']).to(device),
                     padded=bool(groups['pad_slots'].size))
@@ -308,7 +307,7 @@ class ShiftWindowAttention(nn.Module):
             # spare row), one pass where concatenating and gathering back take two
             if tokens is None:
                 tokens = out.new_empty(b, compact['tokens'] + 1, c)
-            tokens.index_copy_(1, compact['gather_or_pad'][span], out)
+            tokens.index_copy_(1, group['gather_or_pad'], out)
         if not graph:
             return tokens[:, :-1]
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
@@ -396,7 +395,7 @@ class ShiftWindowAttention(nn.Module):
                 valid = (src_r < h) & (src_c < w)
                 index = src_r * w + src_c
                 count = count_r * count_c
-                groups.append(dict(start=start, count=count, hw=(len_r, len_c),
+                groups.append(dict(count=count, hw=(len_r, len_c),
                                    origin=(origin_r, origin_c),
                                    valid=valid.reshape(count, -1),
                                    gather_or_pad=torch.where(valid, index, h * w).reshape(-1),
