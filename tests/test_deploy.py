@@ -800,13 +800,67 @@ def test_onnxruntime_int8_keeps_weight_layer_outputs_float(tmp_path, monkeypatch
     quantized_inputs = [producer.get(n.input[0]) for n in graph.node
                         if n.op_type == 'QuantizeLinear']
     assert quantized_inputs and not {'MatMul', 'Gemm'} & set(quantized_inputs)
-    assert sum(n.op_type == 'MatMul' for n in graph.node) == 2
+    assert sum(n.op_type == 'MatMulIntegerToFloat' for n in graph.node) == 2
     monkeypatch.setattr(quantize, 'FLOAT_OUTPUT_OPS', ())
     graph, error_quantized_outputs = quantized('quantized_outputs.onnx')
     producer = {o: n.op_type for n in graph.node for o in n.output}
     assert any(producer.get(n.input[0]) == 'MatMul' for n in graph.node
                if n.op_type == 'QuantizeLinear')
     assert error < 0.02 and error <= error_quantized_outputs
+
+
+def test_onnxruntime_int8_adds_the_bias_in_the_integer_matmul(tmp_path, monkeypatch):
+    """The bias Add of a quantized weight layer becomes the last input of its
+    ``MatMulIntegerToFloat`` (one pass over the output fewer); the outputs are those of
+    onnxruntime's own form of the same QDQ graph. A layer without a bias, and one whose
+    product something else also reads, keep their form."""
+    import onnx
+    import onnxruntime as ort
+    from mmslab.deploy import quantize
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+            self.no_bias = torch.nn.Linear(32, 32, bias=False)
+            self.shared = torch.nn.Linear(32, 32, bias=False)
+
+        def forward(self, image):
+            x = image.flatten(2).transpose(1, 2)  # [1, 64, 32]
+            x = x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+            y = self.shared(x)
+            return self.no_bias(x) + y * (y + 0.5)  # y: read twice
+
+    net = Block().eval()
+    path = str(tmp_path / 'block.onnx')
+    torch.onnx.export(net, (torch.randn(1, 32, 8, 8), ), path, input_names=['image'],
+                      dynamo=False, opset_version=18)
+    calib = [np.random.RandomState(i).randn(1, 32, 8, 8).astype(np.float32) for i in range(4)]
+    image = np.random.RandomState(9).randn(1, 32, 8, 8).astype(np.float32)
+    with torch.no_grad():
+        ref = net(torch.from_numpy(image)).numpy()
+
+    def run(name):
+        q = quantize.quantize_onnxruntime(path, str(tmp_path / name), calib)
+        session = ort.InferenceSession(q, providers=['CPUExecutionProvider'])
+        return onnx.load(q).graph, session.run(None, {'image': image})[0]
+
+    graph, fused_out = run('fused.onnx')
+    integer = [n for n in graph.node if n.op_type == 'MatMulIntegerToFloat']
+    assert len(integer) == 2 and all(len(n.input) == 7 and n.input[6] for n in integer)
+    consumer_ops = {c.op_type for n in integer for c in graph.node if n.output[0] in c.input}
+    assert 'Add' in consumer_ops  # fc2's output meets the residual, not a bias
+    assert sum(n.op_type == 'MatMul' for n in graph.node) == 2  # no_bias, shared
+    # the quantized input of each fused layer is not dequantized for nothing
+    read = {i for n in graph.node for i in n.input}
+    assert all(n.output[0] in read for n in graph.node if n.op_type == 'DequantizeLinear')
+    monkeypatch.setattr(quantize, 'fuse_integer_matmul_bias', lambda path: 0)
+    graph, plain_out = run('plain.onnx')
+    assert not any(n.op_type == 'MatMulIntegerToFloat' for n in graph.node)
+    np.testing.assert_allclose(fused_out, plain_out, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    error = np.sqrt(((fused_out - ref) ** 2).mean() / (ref ** 2).mean())
+    assert error < 0.03
 
 
 def test_crop_size():

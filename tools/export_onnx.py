@@ -227,7 +227,9 @@ def main(argv=None):
                                    None if args.dynamic else shape)
         report['int8'] = dict(calibration_images=len(calib), calibration_set='train',
                               quantized='MatMul/Gemm/Conv layers with weights (onnxruntime: '
-                              'per-channel s8 weights, u8 activations; OpenVINO: NNCF '
+                              'per-channel s8 weights, u8 activations, MatMul outputs float '
+                              'with the bias added in the kernel (MatMulIntegerToFloat); '
+                              'OpenVINO: NNCF '
                               'transformer preset); depth-wise convs, attention products, '
                               'softmax, norms, NMS, RoIAlign stay float')
         if 'onnxruntime' in args.runtime:
