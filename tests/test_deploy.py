@@ -761,78 +761,36 @@ def test_quantizer_ranges_must_be_finite():
         check_quantizer_ranges(model(np.inf))
 
 
-def test_onnxruntime_int8_keeps_weight_layer_outputs_float(tmp_path, monkeypatch):
-    """INT8 for onnxruntime quantizes the inputs and weights of MatMul / Gemm layers but not
-    their outputs (the kernel dequantizes them, ``MatMulIntegerToFloat``): on inputs it was
-    not calibrated on, within INT8 error of the float graph and no further from it than
-    with quantized outputs (one rounding fewer)."""
-    import onnx
-    import onnxruntime as ort
-    from mmslab.deploy import quantize
-    torch.manual_seed(0)
+class TokenMLP(torch.nn.Module):
+    """A token MLP with a residual, as in a transformer block (``[1, 32, 8, 8]`` image ->
+    ``[1, 64, 32]`` tokens); ``extra``: two bias-free layers after it, one of whose products
+    is read twice."""
 
-    class Block(torch.nn.Module):  # a token MLP with a residual, as in a transformer block
-        def __init__(self):
-            super().__init__()
-            self.fc1, self.fc2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
-
-        def forward(self, image):
-            x = image.flatten(2).transpose(1, 2)  # [1, 64, 32]
-            return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
-
-    net = Block().eval()
-    path = str(tmp_path / 'block.onnx')
-    torch.onnx.export(net, (torch.randn(1, 32, 8, 8), ), path, input_names=['image'],
-                      dynamo=False, opset_version=18)
-    calib = [np.random.RandomState(i).randn(1, 32, 8, 8).astype(np.float32) for i in range(4)]
-    image = np.random.RandomState(9).randn(1, 32, 8, 8).astype(np.float32)
-    with torch.no_grad():
-        ref = net(torch.from_numpy(image)).numpy()
-
-    def quantized(name):
-        q = quantize.quantize_onnxruntime(path, str(tmp_path / name), calib)
-        out = ort.InferenceSession(q, providers=['CPUExecutionProvider']).run(
-            None, {'image': image})[0]
-        return onnx.load(q).graph, np.sqrt(((out - ref) ** 2).mean() / (ref ** 2).mean())
-
-    graph, error = quantized('float_outputs.onnx')
-    producer = {o: n.op_type for n in graph.node for o in n.output}
-    quantized_inputs = [producer.get(n.input[0]) for n in graph.node
-                        if n.op_type == 'QuantizeLinear']
-    assert quantized_inputs and not {'MatMul', 'Gemm'} & set(quantized_inputs)
-    assert sum(n.op_type == 'MatMulIntegerToFloat' for n in graph.node) == 2
-    monkeypatch.setattr(quantize, 'FLOAT_OUTPUT_OPS', ())
-    graph, error_quantized_outputs = quantized('quantized_outputs.onnx')
-    producer = {o: n.op_type for n in graph.node for o in n.output}
-    assert any(producer.get(n.input[0]) == 'MatMul' for n in graph.node
-               if n.op_type == 'QuantizeLinear')
-    assert error < 0.02 and error <= error_quantized_outputs
-
-
-def test_onnxruntime_int8_adds_the_bias_in_the_integer_matmul(tmp_path, monkeypatch):
-    """The bias Add of a quantized weight layer becomes the last input of its
-    ``MatMulIntegerToFloat`` (one pass over the output fewer); the outputs are those of
-    onnxruntime's own form of the same QDQ graph. A layer without a bias, and one whose
-    product something else also reads, keep their form."""
-    import onnx
-    import onnxruntime as ort
-    from mmslab.deploy import quantize
-    torch.manual_seed(0)
-
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1, self.fc2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+    def __init__(self, extra: bool = False):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+        self.extra = extra
+        if extra:
             self.no_bias = torch.nn.Linear(32, 32, bias=False)
             self.shared = torch.nn.Linear(32, 32, bias=False)
 
-        def forward(self, image):
-            x = image.flatten(2).transpose(1, 2)  # [1, 64, 32]
-            x = x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
-            y = self.shared(x)
-            return self.no_bias(x) + y * (y + 0.5)  # y: read twice
+    def forward(self, image):
+        x = image.flatten(2).transpose(1, 2)
+        x = x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+        if not self.extra:
+            return x
+        y = self.shared(x)
+        return self.no_bias(x) + y * (y + 0.5)
 
-    net = Block().eval()
+
+def quantized_token_mlp(tmp_path, extra: bool = False):
+    """``run(name) -> (INT8 graph, its output, float reference output)``: :class:`TokenMLP`
+    exported, quantized for onnxruntime (calibrated on 4 random images) and run on a fifth."""
+    import onnx
+    import onnxruntime as ort
+    from mmslab.deploy import quantize
+    torch.manual_seed(0)
+    net = TokenMLP(extra).eval()
     path = str(tmp_path / 'block.onnx')
     torch.onnx.export(net, (torch.randn(1, 32, 8, 8), ), path, input_names=['image'],
                       dynamo=False, opset_version=18)
@@ -843,10 +801,46 @@ def test_onnxruntime_int8_adds_the_bias_in_the_integer_matmul(tmp_path, monkeypa
 
     def run(name):
         q = quantize.quantize_onnxruntime(path, str(tmp_path / name), calib)
-        session = ort.InferenceSession(q, providers=['CPUExecutionProvider'])
-        return onnx.load(q).graph, session.run(None, {'image': image})[0]
+        out = ort.InferenceSession(q, providers=['CPUExecutionProvider']).run(
+            None, {'image': image})[0]
+        return onnx.load(q).graph, out, ref
+    return run
 
-    graph, fused_out = run('fused.onnx')
+
+def relative_rms(out, ref) -> float:
+    return float(np.sqrt(((out - ref) ** 2).mean() / (ref ** 2).mean()))
+
+
+def test_onnxruntime_int8_keeps_weight_layer_outputs_float(tmp_path, monkeypatch):
+    """INT8 for onnxruntime quantizes the inputs and weights of MatMul / Gemm layers but not
+    their outputs (the kernel dequantizes them, ``MatMulIntegerToFloat``): on inputs it was
+    not calibrated on, within INT8 error of the float graph and no further from it than
+    with quantized outputs (one rounding fewer)."""
+    from mmslab.deploy import quantize
+    run = quantized_token_mlp(tmp_path)
+    graph, out, ref = run('float_outputs.onnx')
+    error = relative_rms(out, ref)
+    producer = {o: n.op_type for n in graph.node for o in n.output}
+    quantized_inputs = [producer.get(n.input[0]) for n in graph.node
+                        if n.op_type == 'QuantizeLinear']
+    assert quantized_inputs and not {'MatMul', 'Gemm'} & set(quantized_inputs)
+    assert sum(n.op_type == 'MatMulIntegerToFloat' for n in graph.node) == 2
+    monkeypatch.setattr(quantize, 'FLOAT_OUTPUT_OPS', ())
+    graph, out, _ = run('quantized_outputs.onnx')
+    producer = {o: n.op_type for n in graph.node for o in n.output}
+    assert any(producer.get(n.input[0]) == 'MatMul' for n in graph.node
+               if n.op_type == 'QuantizeLinear')
+    assert error < 0.02 and error <= relative_rms(out, ref)
+
+
+def test_onnxruntime_int8_adds_the_bias_in_the_integer_matmul(tmp_path, monkeypatch):
+    """The bias Add of a quantized weight layer becomes the last input of its
+    ``MatMulIntegerToFloat`` (one pass over the output fewer); the outputs are those of
+    onnxruntime's own form of the same QDQ graph. A layer without a bias, and one whose
+    product something else also reads, keep their form."""
+    from mmslab.deploy import quantize
+    run = quantized_token_mlp(tmp_path, extra=True)
+    graph, fused_out, ref = run('fused.onnx')
     integer = [n for n in graph.node if n.op_type == 'MatMulIntegerToFloat']
     assert len(integer) == 2 and all(len(n.input) == 7 and n.input[6] for n in integer)
     consumer_ops = {c.op_type for n in integer for c in graph.node if n.output[0] in c.input}
@@ -856,12 +850,10 @@ def test_onnxruntime_int8_adds_the_bias_in_the_integer_matmul(tmp_path, monkeypa
     read = {i for n in graph.node for i in n.input}
     assert all(n.output[0] in read for n in graph.node if n.op_type == 'DequantizeLinear')
     monkeypatch.setattr(quantize, 'fuse_integer_matmul_bias', lambda path: 0)
-    graph, plain_out = run('plain.onnx')
+    graph, plain_out, _ = run('plain.onnx')
     assert not any(n.op_type == 'MatMulIntegerToFloat' for n in graph.node)
     np.testing.assert_allclose(fused_out, plain_out, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    error = np.sqrt(((fused_out - ref) ** 2).mean() / (ref ** 2).mean())
-    assert error < 0.03
-
+    assert relative_rms(fused_out, ref) < 0.03
 
 def test_crop_size():
     from mmslab.engine.hooks.runtime_backend_hook import _crop_size
