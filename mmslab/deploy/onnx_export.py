@@ -188,7 +188,7 @@ EXPECTED_EXPORT_WARNINGS = (
      r'mmslab\.models\.layers\.window_attention', 'the same constant'),
     ('TracerWarning', 'torch.tensor results are registered as constants',
      r'mmslab\.(models\.layers\.shift_window|deploy\.mmdet_swin)',
-     "the shift mask's fill values, -100 and 0"),
+     "the shift mask's fill values (SHIFT_MASK_FILL and 0)"),
     ('TracerWarning', 'Converting a tensor to a Python boolean',
      r'mmslab\.models\.layers\.patch', "patch merging's token-count check"),
     ('TracerWarning', 'Converting a tensor to a Python boolean', r'torch$',

@@ -19,11 +19,20 @@ def window_partition(x: Tensor, wh: int, ww: int) -> Tensor:
     return x.reshape(-1, wh * ww, c)
 
 
+#: Additive shift-mask value between regions. Swin's (mmdet's) -100 leaves the masked
+#: softmax probabilities near exp(-100) ~ 4e-44, denormal floats, which x86 CPUs process
+#: many times slower: onnxruntime's product of those probabilities with V took 4-8 ms in
+#: every shifted block where the unshifted one took 0.3-1.2 ms (Swin-T INT8, 512x512).
+#: At -1e4 they are exactly 0, which -100's are to float precision (the same outputs);
+#: fp16 holds it.
+SHIFT_MASK_FILL = -1e4
+
+
 def shift_window_mask(hp: Size, wp: Size, wh: Size, ww: Size, s: Size,
                       device=None) -> Tensor:
-    """``[nW, N, N]`` additive mask (0 / -100) that keeps the regions a cyclic shift by ``s``
-    wrapped around a padded ``hp x wp`` map from attending to each other (Swin's
-    ``img_mask``), windows row-major.
+    """``[nW, N, N]`` additive mask (0 / :data:`SHIFT_MASK_FILL`) that keeps the regions a
+    cyclic shift by ``s`` wrapped around a padded ``hp x wp`` map from attending to each
+    other (Swin's ``img_mask``), windows row-major.
 
     Python int sizes give a constant built in numpy, so an exported graph holds it as one
     initializer; traced (tensor) sizes and ``torch.compile`` give the same formula as graph
@@ -46,9 +55,11 @@ def shift_window_mask(hp: Size, wp: Size, wh: Size, ww: Size, s: Size,
     region = region.reshape(hp // wh, wh, wp // ww, ww).swapaxes(1, 2).reshape(-1, wh * ww)
     if static:
         diff = region[:, None, :] != region[:, :, None]
-        return torch.from_numpy(np.where(diff, -100.0, 0.0).astype(np.float32)).to(device)
+        return torch.from_numpy(np.where(diff, SHIFT_MASK_FILL, 0.0).astype(np.float32)).to(
+            device)
     return torch.where(region.unsqueeze(1) != region.unsqueeze(2),
-                       torch.tensor(-100.0, device=device), torch.tensor(0.0, device=device))
+                       torch.tensor(SHIFT_MASK_FILL, device=device),
+                       torch.tensor(0.0, device=device))
 
 
 def _axis_window_extents(size: int, win: int, shift: int) -> list:
