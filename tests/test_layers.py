@@ -439,6 +439,28 @@ def test_binorm_matches_naive_and_ignores_padding():
         assert rel_err(out[rows].reshape(-1, 8), ref) <= 1e-10
 
 
+@pytest.mark.parametrize('traced_sizes', [False, True])
+def test_shift_mask_leaves_no_denormal_probabilities(traced_sizes):
+    """Softmax over attention scores plus the shift mask gives masked entries of exactly 0,
+    never denormal floats (which CPUs multiply many times slower; Swin's -100 gave
+    exp(-100) ~ 4e-44), for the constant mask and the one computed in a graph."""
+    from mmslab.models.layers.shift_window import shift_window_mask
+    sizes = (21, 14, 7, 7, 3)
+    if traced_sizes:
+        sizes = tuple(torch.tensor(v) for v in sizes)
+    mask = shift_window_mask(*sizes)  # [nW, N, N]
+    assert mask.shape == (6, 49, 49) and (mask < 0).any()
+    torch.manual_seed(0)
+    scores = torch.randn(6, 3, 49, 49) * 4  # [nW, heads, N, N]
+    probs = (scores + mask.unsqueeze(1)).softmax(-1)
+    masked = (mask < 0).unsqueeze(1).expand_as(probs)
+    assert (probs[masked] == 0).all()
+    tiny = torch.finfo(torch.float32).tiny
+    assert not ((probs > 0) & (probs < tiny)).any()
+    # the masked regions are those of the transcription's mask: each token sees its own
+    assert (mask.diagonal(dim1=1, dim2=2) == 0).all()
+
+
 @pytest.mark.parametrize('shift', [False, True])
 def test_window_msa_matches_explicit_softmax_with_shift_mask(shift):
     torch.manual_seed(6)
