@@ -229,9 +229,10 @@ def main(argv=None):
                               quantized='MatMul/Gemm/Conv layers with weights (onnxruntime: '
                               'per-channel s8 weights, u8 activations, MatMul outputs float '
                               'with the bias added in the kernel (MatMulIntegerToFloat); '
-                              'OpenVINO: NNCF '
-                              'transformer preset); depth-wise convs, attention products, '
-                              'softmax, norms, NMS, RoIAlign stay float')
+                              'OpenVINO: NNCF transformer preset, which also quantizes '
+                              'the inputs of attention products and depth-wise convs); '
+                              'onnxruntime keeps depth-wise convs and attention products '
+                              'float; softmax, norms, NMS, RoIAlign stay float in both')
         if 'onnxruntime' in args.runtime:
             quantize_onnxruntime(onnx_path, artifact_path(args.out, 'onnxruntime', 'int8'),
                                  calib)
