@@ -855,6 +855,7 @@ def test_onnxruntime_int8_adds_the_bias_in_the_integer_matmul(tmp_path, monkeypa
     np.testing.assert_allclose(fused_out, plain_out, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     assert relative_rms(fused_out, ref) < 0.03
 
+
 def test_crop_size():
     from mmslab.engine.hooks.runtime_backend_hook import _crop_size
     # FPN levels of an 800-row export (strides 4..64), cropped for a 768-row input
