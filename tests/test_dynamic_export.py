@@ -127,6 +127,34 @@ def test_mmdet_swin_dynamic_forward_equals_mmdet(attention, tmp_path):
         assert_close(ref, run_onnx(path, x))
 
 
+def graph_float_constants(path):
+    import onnx
+    from onnx import numpy_helper
+    graph = onnx.load(path).graph
+    arrays = [numpy_helper.to_array(t) for t in graph.initializer]
+    arrays += [numpy_helper.to_array(a.t) for n in graph.node if n.op_type == 'Constant'
+               for a in n.attribute if a.name == 'value']
+    return [a for a in arrays if a.dtype == np.float32]
+
+
+def test_mmdet_swin_static_export_has_the_denormal_free_shift_mask(tmp_path):
+    """A fixed-size export of mmdet's Swin takes mmslab's shift mask too: no -100 fill
+    (denormal softmax probabilities, slow in onnxruntime), mmdet's numbers all the same."""
+    from mmslab.models.layers.shift_window import SHIFT_MASK_FILL
+    torch.manual_seed(0)
+    model = mmdet_swin()
+    randomize_weights(model)
+    x = torch.randn(1, 3, *TRACE)  # padded and shifted windows in every stage
+    with torch.no_grad():
+        ref = [o.numpy() for o in model(x)]
+    path = str(tmp_path / 'mmdet_swin_static.onnx')
+    export_onnx(model, 'backbone', TRACE, path, dynamic=False)
+    assert_close(ref, run_onnx(path, x))
+    constants = graph_float_constants(path)
+    assert not any((a == -100).any() for a in constants)
+    assert any((a == SHIFT_MASK_FILL).any() for a in constants)
+
+
 @pytest.mark.slow
 def test_dynamic_upernet_logits_and_argmax(tmp_path):
     """A whole segmentor (pyramid pooling bins computed from the runtime size) at square and

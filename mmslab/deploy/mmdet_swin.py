@@ -1,4 +1,4 @@
-"""Dynamic-size export of mmdet's and mmseg's own Swin Transformer.
+"""Export of mmdet's and mmseg's own Swin Transformer.
 
 Their ``ShiftWindowMSA`` and ``AdaptivePadding`` compute sizes with Python (``math.ceil``,
 ``int(...)``, ``if pad > 0``), so a traced graph holds the padding, window count and shift
@@ -6,6 +6,11 @@ mask of the traced size only. :func:`dynamic_mmdet_swin` swaps in forwards that 
 same quantities from the runtime size in the graph (what mmdeploy's rewrites did for its own
 export), for the duration of a dynamic export; the numbers are those of the original
 forwards (``tests/test_dynamic_export.py`` compares them).
+
+Every export, static ones too (:func:`mmdet_swin_export_forwards`), takes mmslab's shifted
+window forward: its shift mask fills :data:`~mmslab.models.layers.shift_window.SHIFT_MASK_FILL`
+where mmdet's fills -100, whose masked softmax probabilities are denormal floats that
+onnxruntime multiplies many times slower (the outputs are the same).
 """
 from contextlib import contextmanager
 from typing import Iterator, List, Tuple
@@ -73,8 +78,9 @@ def _split_attention_classes() -> List[Tuple[type, str, object]]:
     return [(cls, 'forward', _window_msa_split_forward) for cls in foreign_window_msa_classes()]
 
 
-def _patched_classes() -> List[Tuple[type, str, object]]:
-    """(class, method name, replacement) for every Swin implementation installed."""
+def _patched_classes(dynamic: bool = True) -> List[Tuple[type, str, object]]:
+    """(class, method name, replacement) for every Swin implementation installed: the
+    shifted-window attention, and with ``dynamic`` the patch embedding's padding."""
     targets = []
     try:
         from mmdet.models.backbones.swin import ShiftWindowMSA as DetMSA
@@ -95,13 +101,23 @@ def _patched_classes() -> List[Tuple[type, str, object]]:
         targets.append((CvPad, 'forward', _adaptive_padding_forward))
     except ImportError:
         pass
-    return targets
+    # a static graph keeps the original padding forward: its sizes are the traced ones
+    return [t for t in targets if dynamic or t[2] is not _adaptive_padding_forward]
+
+
+@contextmanager
+def mmdet_swin_export_forwards(dynamic: bool) -> Iterator[None]:
+    """Inside the block, mmdet's / mmseg's Swin layers take mmslab's export forwards: the
+    shifted-window attention always (its denormal-free shift mask), and with ``dynamic``
+    the shape-generic padding too."""
+    with _patched(_patched_classes(dynamic)):
+        yield
 
 
 @contextmanager
 def dynamic_mmdet_swin() -> Iterator[None]:
     """Inside the block, mmdet's / mmseg's Swin layers take the shape-generic forwards."""
-    with _patched(_patched_classes()):
+    with mmdet_swin_export_forwards(dynamic=True):
         yield
 
 

@@ -13,7 +13,8 @@ Parts:
 Static exports trace one input size: window layouts, shift masks and padding are constants
 of the graph. ``dynamic=True`` traces inside :func:`~mmslab.models.layers.symbolic_shapes`
 (and, for mmdet's own Swin, :func:`.mmdet_swin.dynamic_mmdet_swin`), so those are computed
-from the runtime size and the graph serves any height and width.
+from the runtime size and the graph serves any height and width. mmdet's Swin takes
+mmslab's shifted-window forward in both (:mod:`.mmdet_swin`).
 """
 from contextlib import ExitStack, contextmanager
 import os.path as osp
@@ -221,7 +222,7 @@ def export_onnx(model: nn.Module, part: str, shape: Tuple[int, int], path: str,
     ``attention``: the layout of mmslab's window softmax attention in the graph (see
     :mod:`~mmslab.models.layers.export_mode`). The
     exporter's expected warnings are not shown (:func:`expected_export_warnings`)."""
-    from .mmdet_swin import dynamic_mmdet_swin, split_mmdet_window_attention
+    from .mmdet_swin import mmdet_swin_export_forwards, split_mmdet_window_attention
     wrapper = ExportWrapper(make_exportable(model), part, seg_argmax).eval()
     dummy = torch.randn(1, 3, *shape)
     with ExitStack() as stack:
@@ -229,8 +230,7 @@ def export_onnx(model: nn.Module, part: str, shape: Tuple[int, int], path: str,
         stack.enter_context(export_mode(layout=attention, symbolic=dynamic))
         if attention == 'split':
             stack.enter_context(split_mmdet_window_attention())
-        if dynamic:
-            stack.enter_context(dynamic_mmdet_swin())
+        stack.enter_context(mmdet_swin_export_forwards(dynamic))
         with torch.no_grad():
             names = wrapper.output_names(len(wrapper(dummy)))
         axes = None
