@@ -901,3 +901,39 @@ def test_openvino_compiles_a_free_size_model_for_each_input_shape(tmp_path):
     assert fixed.sizes_kept == 0 and fixed.compiles == 0 and fixed.input_hw == (16, 24)
     with pytest.raises(ValueError, match='sizes_kept=-1'):
         OpenVINOModel(paths['free'], sizes_kept=-1)
+
+
+def test_openvino_int8_runs_the_linear_attention_key_value_product_in_int8(tmp_path):
+    """SLA's ``K^T V`` reaches OpenVINO's integer kernels. The keys feed MatMuls only (the
+    normalizer sums them with a masked ``ReduceSum``): with the keys also in a product with
+    the float valid mask, OpenVINO dequantized them and ran ``K^T V`` in fp32."""
+    pytest.importorskip('nncf')
+    import mmslab
+    from presets import build_preset
+    from mmslab.deploy import export_onnx
+    from mmslab.deploy.quantize import quantize_openvino
+    from mmslab.deploy.runtimes import convert_to_openvino, import_openvino, openvino_config
+    torch.manual_seed(0)
+    model = build_preset('SLABSwin', depths=(2, 1, 1, 1))  # stage 1: SLA, then shifted SLA
+    model.init_weights()
+    mmslab.reparameterize(model)
+    model.eval()
+    shape = (64, 72)  # stage 1: 16 x 18 tokens, windows of 8: cropped and padded groups
+    onnx_path = str(tmp_path / 'slab.onnx')
+    export_onnx(model, 'backbone', shape, onnx_path, dynamic=True)
+    xml = convert_to_openvino(onnx_path, str(tmp_path / 'ov'))
+    calibration = [np.random.RandomState(i).randn(1, 3, *shape).astype(np.float32)
+                   for i in range(2)]
+    int8 = quantize_openvino(xml, str(tmp_path / 'ov' / 'model_int8.xml'), calibration)
+    ov = import_openvino()
+    core = ov.Core()
+    net = core.read_model(int8)
+    net.reshape([1, 3, *shape])  # as OpenVINOModel compiles a free-size model
+    compiled = core.compile_model(net, 'CPU', openvino_config(threads=1))
+    key_value = []  # MatMuls of two activations of one shape: K^T V (tokens x channels)
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        if info['layerType'].astype(str) == 'MatMul' and op.get_input_size() == 2 and \
+                op.input(0).get_partial_shape() == op.input(1).get_partial_shape():
+            key_value.append(info['runtimePrecision'].astype(str))
+    assert key_value and all(p in ('u8', 'i8') for p in key_value), key_value

@@ -27,16 +27,18 @@ from .window_attention import WindowKernelBase
 
 
 def _key_sum(k: Tensor, valid: Optional[Tensor]) -> Tensor:
-    """``[B*nW, N, C]`` keys -> ``[B*nW, 1, C]``, their sum over the window's valid tokens.
+    """``[B*nW, N, C]`` keys -> ``[B*nW, 1, C]``, their sum over the window's valid tokens
+    (a padded slot's key is ``relu(0 + p)``, not 0, so padding needs the mask).
 
-    With padding, one ``[nW, 1, N] @ [B, nW, N, C]`` product with the valid mask: the mask
-    costs no pass of its own over the keys (a padded slot's key is ``relu(0 + p)``, not 0).
+    A masked sum, not a ``[nW, 1, N] @ [B, nW, N, C]`` product with the valid mask: in an
+    INT8 graph OpenVINO then runs ``K^T V`` on the quantized keys in int8; a second MatMul
+    on the keys, with a float operand, made it dequantize them and run ``K^T V`` in fp32.
     """
     if valid is None:
         return k.sum(dim=-2, keepdim=True)
     nw, n, c = valid.shape[0], k.shape[-2], k.shape[-1]
-    keep = valid.to(k.dtype).view(nw, 1, n)
-    return (keep @ k.reshape(-1, nw, n, c)).reshape(-1, 1, c)
+    keep = valid.to(k.dtype).view(nw, n, 1)
+    return (k.reshape(-1, nw, n, c) * keep).sum(dim=-2, keepdim=True).reshape(-1, 1, c)
 
 
 def _split_heads(t: Tensor, num_heads: int) -> Tensor:
