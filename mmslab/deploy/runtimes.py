@@ -9,7 +9,9 @@ benchmarks):
 
 * onnxruntime (:func:`ort_session_options`): CPU execution provider, every graph
   optimization (``ORT_ENABLE_ALL``), ``threads`` intra-op threads and one inter-op thread
-  (0: onnxruntime's defaults);
+  (0: onnxruntime's defaults), denormal floats flushed to zero on every thread that computes
+  (``flush_denormals``, :mod:`mmslab.deploy.denormals`: masked softmax scores are denormal
+  in onnxruntime's exponential);
 * OpenVINO (:func:`openvino_config`): ``Core.read_model`` then ``compile_model`` on the CPU
   with the latency hint, ``INFERENCE_PRECISION_HINT`` ``f32`` (on CPUs with bf16 units
   OpenVINO otherwise computes in bf16) or ``bf16``, ``threads`` inference threads.
@@ -35,6 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .denormals import flushed_denormals
 from .export_info import EXPORT_HINT
 
 RUNTIMES = ('onnxruntime', 'openvino')
@@ -125,11 +128,17 @@ def artifact_path(export_dir: str, runtime: str, precision: str) -> str:
 # sessions
 # ----------------------------------------------------------------------------------------------
 
-def ort_session_options(threads: int = 0):
-    """The ``onnxruntime.SessionOptions`` of every session (``threads`` 0: its defaults)."""
+def ort_session_options(threads: int = 0, flush_denormals: bool = True):
+    """The ``onnxruntime.SessionOptions`` of every session (``threads`` 0: its defaults).
+
+    ``flush_denormals`` sets onnxruntime's own option, which covers its worker threads; the
+    thread calling ``run`` needs :func:`~mmslab.deploy.denormals.flushed_denormals` as well
+    (:class:`OnnxRuntimeModel` does both)."""
     import onnxruntime as ort
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if flush_denormals:
+        opts.add_session_config_entry('session.set_denormal_as_zero', '1')
     if threads:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
@@ -175,12 +184,19 @@ class RuntimeModel:
 
 
 class OnnxRuntimeModel(RuntimeModel):
+    """``flush_denormals``: denormal floats are zero on onnxruntime's worker threads and, for
+    the duration of each run, on the calling thread (see :mod:`mmslab.deploy.denormals`)."""
 
-    def __init__(self, path: str, threads: int = 0):
+    def __init__(self, path: str, threads: int = 0, flush_denormals: bool = True):
         import onnxruntime as ort
         super().__init__('onnxruntime', path, threads)
-        self.session = ort.InferenceSession(path, ort_session_options(threads),
-                                            providers=['CPUExecutionProvider'])
+        self.flush_denormals = flush_denormals
+        # inside the block too: onnxruntime may set the flags on the thread creating the
+        # session, which gets its previous state back afterwards
+        with flushed_denormals(flush_denormals):
+            self.session = ort.InferenceSession(
+                path, ort_session_options(threads, flush_denormals),
+                providers=['CPUExecutionProvider'])
         inputs = self.session.get_inputs()
         _one_input(path, len(inputs))
         self.input_name = inputs[0].name
@@ -188,12 +204,15 @@ class OnnxRuntimeModel(RuntimeModel):
         self.input_hw = tuple(d if isinstance(d, int) else None for d in shape[-2:])
         self.output_names = [o.name for o in self.session.get_outputs()]
 
+    def _run(self, names: Optional[List[str]], image: np.ndarray) -> List[np.ndarray]:
+        with flushed_denormals(self.flush_denormals):
+            return self.session.run(names, {self.input_name: np.ascontiguousarray(image)})
+
     def __call__(self, image: np.ndarray) -> List[np.ndarray]:
-        return self.session.run(None, {self.input_name: np.ascontiguousarray(image)})
+        return self._run(None, image)
 
     def run(self, image: np.ndarray, names: Sequence[str]) -> Dict[str, np.ndarray]:
-        outputs = self.session.run(list(names), {self.input_name: np.ascontiguousarray(image)})
-        return dict(zip(names, outputs))
+        return dict(zip(names, self._run(list(names), image)))
 
 
 #: How many input sizes an OpenVINO model of free size keeps compiled for (see
