@@ -25,7 +25,9 @@ benchmarked shape (``OpenVINOModel``'s default; the warm-up call compiles), as e
 path that opens an OpenVINO model does. INT8 is calibrated for each runtime on its own path
 (onnxruntime static QDQ per-channel; NNCF for OpenVINO) with ``--calib-images`` random
 images (latency does not depend on the calibration data; accuracy is measured by
-tools/test.py --backend ... --int8). Batch 1. Prints a table and the targets, writes
+tools/test.py --backend ... --int8). Each runtime's graph has its own head layout
+(``export_runtime_graphs``; recorded under ``runtime_head_layouts``), and onnxruntime
+sessions flush denormal floats on every thread, as the runtime layer opens them. Batch 1. Prints a table and the targets, writes
 ``deploy_speed.json`` and ``deploy_speed.png``; the JSON records the CPU, ISA and BLAS.
 """
 import argparse
@@ -43,10 +45,11 @@ from mmengine.utils import ProgressBar
 import mmslab
 from mmslab.benchmark import measure_interleaved, parse_shape, summarize
 from mmslab.deploy.export_info import is_segmentor
-from mmslab.deploy.onnx_export import DEFAULT_ATTENTION_LAYOUT as DEFAULT_ATTENTION, export_onnx
+from mmslab.deploy.onnx_export import (DEFAULT_ATTENTION_LAYOUT as DEFAULT_ATTENTION,
+                                       export_runtime_graphs)
 from mmslab.deploy.quantize import quantize_onnxruntime, quantize_openvino
-from mmslab.deploy.runtimes import convert_to_openvino, open_model
-from mmslab.models.layers.export_mode import current_export_mode
+from mmslab.deploy.runtimes import artifact_path, open_model
+from mmslab.models.layers.export_mode import RUNTIME_HEAD_LAYOUTS, current_export_mode
 from mmslab.models.layers.window_attention import (ATTENTION_LAYOUTS,
                                                    window_softmax_choices)
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
@@ -143,9 +146,11 @@ def deploy_forms(model, part, shape, runtimes, workdir, threads, calib_images,
     """{runtime: callable(image)} for one model and input shape."""
     os.makedirs(workdir, exist_ok=True)
     onnx_path = osp.join(workdir, 'model.onnx')
-    needs_onnx = any(not r.startswith('eager') for r in runtimes)
-    if needs_onnx:
-        export_onnx(model, part, shape, onnx_path, dynamic=dynamic, attention=attention)
+    used = [name for name, prefix in (('onnxruntime', 'ort '), ('openvino', 'ov '))
+            if any(r.startswith(prefix) for r in runtimes)]
+    if used:  # each runtime's graph in its own head layout
+        export_runtime_graphs(model, part, shape, workdir, used, dynamic=dynamic,
+                              attention=attention)
     calib = [np.random.RandomState(i).randn(1, 3, *shape).astype(np.float32)
              for i in range(calib_images)]
     forms = {}
@@ -176,7 +181,7 @@ def deploy_forms(model, part, shape, runtimes, workdir, threads, calib_images,
         m = open_model(q, 'onnxruntime', 'int8', threads)
         forms['ort int8'] = lambda m=m: m(image)
     if any(r.startswith('ov ') for r in runtimes):
-        xml = convert_to_openvino(onnx_path, osp.join(workdir, 'openvino'))
+        xml = artifact_path(workdir, 'openvino', 'fp32')
         if 'ov fp32' in runtimes:
             m = open_model(xml, 'openvino', 'fp32', threads)
             forms['ov fp32'] = lambda m=m: m(image)
@@ -335,6 +340,7 @@ def measure_all(args, tmp) -> dict:
         print_table(rows, kind, shape_text, sorted({r for _, r in res}, key=runtime_order))
         report['window_softmax'] = window_softmax_choices()
         report['export_mode'] = current_export_mode()  # SLA's form, among others
+        report['runtime_head_layouts'] = dict(RUNTIME_HEAD_LAYOUTS)
         save_report(report, args.out)
     return report
 

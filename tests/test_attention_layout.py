@@ -128,3 +128,66 @@ def test_unknown_layout_names_the_choices():
             pass
     with pytest.raises(ValueError, match='packed'):
         attention_layout_report(build_preset('RePaSwin'), 'mha')
+
+
+def test_token_major_heads_fold_into_onnxruntimes_products_and_openvino_keeps_its_own(
+        tmp_path):
+    """onnxruntime's graph takes q, k, v token-major: one transpose of the windows, and
+    permutations onnxruntime folds into its attention products (no Transpose left of
+    them); OpenVINO's IR comes from a second trace with the standard multi-head pattern.
+    Both equal the unfused model."""
+    from mmslab.deploy.onnx_export import export_runtime_graphs
+    from mmslab.deploy.runtimes import open_model
+    sizes = [(75, 106)]
+    model, inputs, refs = fused_with_reference('PRepBNSwin', sizes)
+    names, layouts = export_runtime_graphs(model, 'backbone', sizes[0], str(tmp_path),
+                                           ['onnxruntime', 'openvino'])
+    assert layouts == dict(onnxruntime='token_major', openvino='window_major')
+    assert sorted(p.name for p in (tmp_path / 'openvino').iterdir()) == ['model.bin',
+                                                                         'model.xml']
+    path = str(tmp_path / 'model.onnx')
+    for runtime, model_path in (('onnxruntime', path),
+                                ('openvino', str(tmp_path / 'openvino' / 'model.xml'))):
+        outputs = open_model(model_path, runtime, threads=2)(inputs[0].numpy())
+        for r, o in zip(refs[0], outputs):
+            assert np.abs(o - r).max() / np.abs(r).max() < 1e-4, runtime
+    blocks = sum(isinstance(m, WindowMSA) for m in model.modules())
+    perms = transposes(path)
+    assert perms.count((1, 0, 2)) == blocks  # the windows, once per block
+    assert perms.count((1, 2, 0, 3)) == 2 * blocks and perms.count((1, 2, 3, 0)) == blocks
+    # what onnxruntime runs: the head permutations folded into FusedMatMul (transBatch)
+    opts = ort.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / 'ort_optimized.onnx')
+    ort.InferenceSession(path, opts, providers=['CPUExecutionProvider'])
+    optimized = onnx.load(opts.optimized_model_filepath).graph.node
+    fused = [{a.name: a.i for a in n.attribute} for n in optimized
+             if n.op_type == 'FusedMatMul']
+    assert sum(f.get('transBatchA', 0) and f.get('transBatchB', 0) and f.get('transB', 0)
+               for f in fused) == blocks  # q k^T
+    assert sum(f.get('transBatchB', 0) and not f.get('transBatchA', 0) for f in fused) == blocks
+    left = [tuple(a.ints) for n in optimized if n.op_type == 'Transpose' for a in n.attribute]
+    assert (1, 2, 0, 3) not in left and (1, 2, 3, 0) not in left
+    # OpenVINO's graph has the multi-head transposes
+    ov_perms = transposes_in_ir(str(tmp_path / 'openvino' / 'model.xml'))
+    # (the converter merges some of them into neighbouring operations)
+    assert ov_perms.count((0, 2, 1, 3)) >= 2 * blocks
+    assert not {(1, 0, 2), (1, 2, 0, 3), (1, 2, 3, 0)} & set(ov_perms)
+
+
+def transposes_in_ir(xml_path):
+    """The permutations of the Transpose operations of an OpenVINO IR."""
+    from mmslab.deploy.runtimes import import_openvino
+    ov = import_openvino()
+    perms = []
+    for op in ov.Core().read_model(xml_path).get_ordered_ops():
+        if op.get_type_name() == 'Transpose':
+            source = op.input_value(1).get_node()
+            if source.get_type_name() == 'Constant':
+                perms.append(tuple(int(v) for v in source.get_vector()))
+    return perms
+
+
+def test_unknown_head_layout_names_the_choices():
+    with pytest.raises(ValueError, match="valid: \\('window_major', 'token_major'\\)"):
+        with export_mode(head_layout='heads_first'):
+            pass

@@ -19,7 +19,10 @@ ADE20K whole images):
 
 ``--no-dynamic`` traces one static size (``--shape``; inputs are zero-padded to it).
 ``--attention`` sets how window softmax attention is laid out in the graph (``split``, the
-default, or ``packed``; see docs/deployment.md); export.json records it per block.
+default, or ``packed``; see docs/deployment.md); export.json records it per block, and
+the head layout of each runtime's graph: ``model.onnx`` takes onnxruntime's (q, k, v
+permutations it folds into its attention products), ``openvino/model.xml`` is traced again
+in OpenVINO's (the multi-head transposes it fuses) where they differ.
 The model is fused with ``mmslab.reparameterize``. Written to DIR: ``model.onnx``,
 ``openvino/model.xml``; with ``--int8`` ``model_int8.onnx`` (onnxruntime static QDQ) and
 ``openvino/model_int8.xml`` (NNCF), both calibrated on ``--calib-images`` images of the
@@ -48,11 +51,10 @@ from mmslab.deploy.compare import FP32_TOLERANCE, compare_outputs, within_fp32_t
 from mmslab.deploy.export_info import (is_segmentor, new_export_info, task_of,
                                        write_export_info)
 from mmslab.deploy.onnx_export import (DEFAULT_ATTENTION_LAYOUT, PARTS, ExportWrapper,
-                                       export_onnx, onnx_size_mb, torch_outputs)
+                                       export_runtime_graphs, onnx_size_mb, torch_outputs)
 from mmslab.deploy.quantize import (calibration_images, preprocessed_images,
                                     quantize_onnxruntime, quantize_openvino)
-from mmslab.deploy.runtimes import (RUNTIMES, artifact_path, convert_to_openvino,
-                                    load_runtime_model)
+from mmslab.deploy.runtimes import RUNTIMES, artifact_path, load_runtime_model
 from mmslab.models.layers.window_attention import ATTENTION_LAYOUTS, attention_layout_report
 from mmslab.utils.launch import build_model_from_config, load_config
 from mmslab.utils.machine import has_bf16
@@ -206,21 +208,21 @@ def main(argv=None):
     print_log(f"exporting {part} of the fused model ({'dynamic H, W' if args.dynamic else 'static'}"
               f', traced at {shape[0]}x{shape[1]}) to {onnx_path}', logger='current')
     t0 = time.perf_counter()
-    names = export_onnx(model, part, shape, onnx_path, dynamic=args.dynamic,
-                        seg_argmax=args.seg_argmax, attention=args.attention)
+    # (OpenVINO's IR comes from a graph in its own head layout: export_runtime_graphs)
+    names, head_layouts = export_runtime_graphs(
+        model, part, shape, args.out, args.runtime, dynamic=args.dynamic,
+        seg_argmax=args.seg_argmax, attention=args.attention)
     export_s = time.perf_counter() - t0
     # (the model section's digest is of the config as written: building a model mutates it)
     report = new_export_info(
         cfg, load_config(args.config, args.cfg_options)[0], config=args.config,
         checkpoint=args.checkpoint, part=part, task=task_of(model), outputs=names,
         shape=shape, dynamic=args.dynamic, seg_argmax=args.seg_argmax,
-        attention=attention_layout_report(model, args.attention, args.dynamic),
+        attention=dict(attention_layout_report(model, args.attention, args.dynamic),
+                       head_layout=head_layouts),
         precisions=['fp32'] + (['int8'] if args.int8 else []), tolerance=FP32_TOLERANCE,
         export_seconds=round(export_s, 1), runtimes={})
     report['onnx_mb'] = onnx_size_mb(onnx_path)
-
-    if 'openvino' in args.runtime:
-        convert_to_openvino(onnx_path, osp.join(args.out, 'openvino'))
 
     if args.int8:
         calib = calibration_images(cfg, model, args.calib_images,

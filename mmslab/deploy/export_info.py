@@ -22,7 +22,8 @@ Keys (schema :data:`SCHEMA_VERSION`):
   window-attention layout in the graph and how many blocks took it; ``linear_attention``: the
   form of SLA's per-head products; ``linear_windows``: how SLA's / BiNorm's windows are
   cropped of the padding, in runtime-sized groups in a free-size graph or grouped by span in
-  a fixed-size one),
+  a fixed-size one; ``head_layout``: ``{runtime: layout}`` of q, k, v in each runtime's
+  graph, null where no attention took the ``split`` layout),
   ``precisions``,
   ``versions``, ``machine``, and the measurements: parity and INT8 deviation per runtime,
   ``tolerance``, ``export_seconds``, ``onnx_mb``, ``int8``, ``parity_images``, ``latency``.

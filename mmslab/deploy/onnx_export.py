@@ -17,9 +17,10 @@ from the runtime size and the graph serves any height and width. mmdet's Swin ta
 mmslab's shifted-window forward in both (:mod:`.mmdet_swin`).
 """
 from contextlib import ExitStack, contextmanager
+import os
 import os.path as osp
 import warnings
-from typing import Iterator, List, Tuple
+from typing import Iterator, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -216,18 +217,21 @@ def expected_export_warnings() -> Iterator[None]:
 
 def export_onnx(model: nn.Module, part: str, shape: Tuple[int, int], path: str,
                 dynamic: bool = False, opset: int = 18, seg_argmax: bool = False,
-                attention: str = DEFAULT_ATTENTION_LAYOUT) -> List[str]:
+                attention: str = DEFAULT_ATTENTION_LAYOUT,
+                head_layout: str = 'window_major') -> List[str]:
     """Write ``part`` of the (already fused, eval-mode) ``model`` to ``path``, traced at
     ``shape``; returns the output names. ``dynamic``: height and width are free.
-    ``attention``: the layout of mmslab's window softmax attention in the graph (see
-    :mod:`~mmslab.models.layers.export_mode`). The
-    exporter's expected warnings are not shown (:func:`expected_export_warnings`)."""
+    ``attention`` and ``head_layout``: the layout of window softmax attention in the graph
+    (see :mod:`~mmslab.models.layers.export_mode`; :func:`export_runtime_graphs` picks the
+    head layout per runtime). The exporter's expected warnings are not shown
+    (:func:`expected_export_warnings`)."""
     from .mmdet_swin import mmdet_swin_export_forwards, split_mmdet_window_attention
     wrapper = ExportWrapper(make_exportable(model), part, seg_argmax).eval()
     dummy = torch.randn(1, 3, *shape)
     with ExitStack() as stack:
         stack.enter_context(expected_export_warnings())
-        stack.enter_context(export_mode(layout=attention, symbolic=dynamic))
+        stack.enter_context(export_mode(layout=attention, symbolic=dynamic,
+                                        head_layout=head_layout))
         if attention == 'split':
             stack.enter_context(split_mmdet_window_attention())
         stack.enter_context(mmdet_swin_export_forwards(dynamic))
@@ -248,6 +252,46 @@ def export_onnx(model: nn.Module, part: str, shape: Tuple[int, int], path: str,
                               dynamo=False, do_constant_folding=True)
     fold_weight_paths(path)
     return names
+
+
+def export_runtime_graphs(model: nn.Module, part: str, shape: Tuple[int, int], out_dir: str,
+                          runtimes: Sequence[str], dynamic: bool = False,
+                          seg_argmax: bool = False,
+                          attention: str = DEFAULT_ATTENTION_LAYOUT) -> Tuple[List[str], dict]:
+    """The graphs of ``runtimes`` (``onnxruntime`` / ``openvino``) in ``out_dir``, each in its
+    runtime's head layout (:data:`~mmslab.models.layers.export_mode.RUNTIME_HEAD_LAYOUTS`):
+    ``model.onnx`` (onnxruntime's graph, or OpenVINO's when onnxruntime is not asked for)
+    and ``openvino/model.xml``. Where the two layouts differ and some window softmax
+    attention takes the ``split`` layout, OpenVINO's IR is converted from a second trace;
+    otherwise from ``model.onnx``. Returns the output names and ``{runtime: head layout}``
+    (``None`` where no attention has heads to lay out), for ``export.json``."""
+    from mmslab.models.layers.export_mode import RUNTIME_HEAD_LAYOUTS
+    from mmslab.models.layers.window_attention import attention_layout_report
+    from .runtimes import RUNTIMES, convert_to_openvino
+    unknown = set(runtimes) - set(RUNTIMES)
+    if unknown or not runtimes:
+        raise ValueError(f'runtimes {list(runtimes)}: choose from {RUNTIMES}')
+    report = attention_layout_report(model, attention, dynamic)
+    has_heads = attention == 'split' and bool(report['split'] or report['mmdet_window_msa'])
+    layouts = {r: RUNTIME_HEAD_LAYOUTS[r] if has_heads else None for r in runtimes}
+    first = 'onnxruntime' if 'onnxruntime' in runtimes else runtimes[0]
+    onnx_path = osp.join(out_dir, 'model.onnx')
+    kwargs = dict(dynamic=dynamic, seg_argmax=seg_argmax, attention=attention)
+    names = export_onnx(model, part, shape, onnx_path,
+                        head_layout=layouts[first] or 'window_major', **kwargs)
+    if 'openvino' in runtimes:
+        ov_dir = osp.join(out_dir, 'openvino')
+        source = onnx_path
+        if layouts['openvino'] != layouts[first]:
+            os.makedirs(ov_dir, exist_ok=True)
+            source = osp.join(ov_dir, 'model_openvino.onnx')
+            export_onnx(model, part, shape, source, head_layout=layouts['openvino'], **kwargs)
+        try:
+            convert_to_openvino(source, ov_dir)
+        finally:
+            if source != onnx_path and osp.exists(source):
+                os.remove(source)
+    return names, layouts
 
 
 #: Layout operators a weight may pass through on its way to a layer.

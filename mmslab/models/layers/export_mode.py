@@ -1,6 +1,6 @@
 """How mmslab layers run while a graph is made of them: one state, one context manager.
 
-Three choices change the form a layer takes (never its numbers):
+These choices change the form a layer takes (never its numbers):
 
 * ``layout`` (``packed`` | ``split``): the form window softmax attention takes in graphs
   exported inside the block.
@@ -17,6 +17,16 @@ Three choices change the form a layer takes (never its numbers):
   Which is faster depends on the runtime, precision and CPU, so ``tools/export_onnx.py``
   records the choice in ``export.json``. Only graphs being traced take it: eager and compiled
   runs always compute the packed form.
+* ``head_layout`` (``window_major`` | ``token_major``): how the ``split`` layout's q, k, v
+  reach their ``[B', heads, N, d]`` form.
+
+  - ``window_major``: the ``[B', N, C]`` windows go into the three MatMuls and each output
+    is transposed: the standard multi-head pattern, which OpenVINO fuses;
+  - ``token_major``: the windows are transposed once to ``[N, B', C]`` before the MatMuls,
+    and q, k, v are taken with ``(1, 2, 0, 3)`` / ``(1, 2, 3, 0)`` permutations, which
+    onnxruntime folds into the attention products (``FusedMatMul`` with ``transBatch``): one
+    Transpose of the ``C`` channels instead of three. OpenVINO fuses none of it and runs
+    it slower, so each runtime gets its own graph (:data:`RUNTIME_HEAD_LAYOUTS`).
 * ``symbolic`` (bool): layers compute every size-dependent quantity (padding, window
   partition, shift mask, pooling bins) from the runtime shape, so a traced graph serves any
   input size (see :mod:`mmslab.models.layers.symbolic`). ``torch.compile`` takes the same
@@ -44,6 +54,9 @@ from typing import Iterator, Optional
 import torch
 
 ATTENTION_LAYOUTS = ('packed', 'split')
+HEAD_LAYOUTS = ('window_major', 'token_major')
+#: The head layout each runtime's graph is traced in (measured: docs/benchmarks.md).
+RUNTIME_HEAD_LAYOUTS = dict(onnxruntime='token_major', openvino='window_major')
 LINEAR_ATTENTION_FORMS = ('auto', 'heads', 'blockdiag')
 WINDOW_SOFTMAX_CHOICES = ('auto', 'sdpa', 'matmul')
 #: ``linear_attention='auto'`` takes the block-diagonal form up to this many heads.
@@ -56,7 +69,8 @@ def _checked_window_softmax(value: str, source: str) -> str:
     return value
 
 
-_state = dict(layout='packed', symbolic=False, linear_attention='auto',
+_state = dict(layout='packed', head_layout='window_major', symbolic=False,
+              linear_attention='auto',
               window_softmax=_checked_window_softmax(
                   os.environ.get('MMSLAB_WINDOW_SOFTMAX', 'auto'), 'MMSLAB_WINDOW_SOFTMAX'))
 
@@ -64,17 +78,20 @@ _state = dict(layout='packed', symbolic=False, linear_attention='auto',
 @contextmanager
 def export_mode(layout: Optional[str] = None, symbolic: Optional[bool] = None,
                 window_softmax: Optional[str] = None,
-                linear_attention: Optional[str] = None) -> Iterator[None]:
+                linear_attention: Optional[str] = None,
+                head_layout: Optional[str] = None) -> Iterator[None]:
     """Set the given choices (``None`` keeps the current one) inside the ``with`` block; the
     previous ones are restored on every exit path."""
     if layout is not None:
         check_attention_layout(layout)
+    if head_layout is not None and head_layout not in HEAD_LAYOUTS:
+        raise ValueError(f'unknown head layout {head_layout!r}; valid: {HEAD_LAYOUTS}')
     if window_softmax is not None:
         _checked_window_softmax(window_softmax, 'window_softmax')
     if linear_attention is not None and linear_attention not in LINEAR_ATTENTION_FORMS:
         raise ValueError(f'unknown linear attention form {linear_attention!r}; valid: '
                          f'{LINEAR_ATTENTION_FORMS}')
-    changes = {k: v for k, v in dict(layout=layout, symbolic=symbolic,
+    changes = {k: v for k, v in dict(layout=layout, head_layout=head_layout, symbolic=symbolic,
                                      window_softmax=window_softmax,
                                      linear_attention=linear_attention).items()
                if v is not None}
@@ -88,7 +105,8 @@ def export_mode(layout: Optional[str] = None, symbolic: Optional[bool] = None,
 
 
 def current_export_mode() -> dict:
-    """``{'layout', 'symbolic', 'linear_attention', 'window_softmax'}`` as set now."""
+    """``{'layout', 'head_layout', 'symbolic', 'linear_attention', 'window_softmax'}`` as
+    set now."""
     return dict(_state)
 
 
@@ -97,6 +115,10 @@ def check_attention_layout(layout: str) -> str:
     if layout not in ATTENTION_LAYOUTS:
         raise ValueError(f'unknown attention layout {layout!r}; valid: {ATTENTION_LAYOUTS}')
     return layout
+
+
+def head_layout_setting() -> str:
+    return _state['head_layout']
 
 
 def window_softmax_setting() -> str:

@@ -22,8 +22,8 @@ from mmslab.registry import register_model
 from .affine import fold_affine_into_next_linear
 from .reparameterizable import Reparameterizable
 from .export_mode import (ATTENTION_LAYOUTS, check_attention_layout,  # noqa: F401 (re-exported)
-                          compiling, exporting, linear_attention_form, symbolic_shapes_enabled,
-                          takes_split_layout, window_softmax_setting)
+                          compiling, exporting, head_layout_setting, linear_attention_form,
+                          symbolic_shapes_enabled, takes_split_layout, window_softmax_setting)
 
 
 def foreign_window_msa_classes() -> tuple:
@@ -331,10 +331,21 @@ def split_qkv(qkv: nn.Linear, windows: Tensor, n: int, num_heads: int,
               scale: float) -> Tuple[Tensor, Tensor, Tensor]:
     """The ``split`` layout's projections: ``[B', N, C]`` window tokens -> ``q`` (scaled)
     and ``v`` ``[B', heads, N, d]``, ``k`` ``[B', heads, d, N]``, as three MatMuls with the
-    scale folded into q's weights and the standard multi-head transposes."""
+    scale folded into q's weights, in the current ``head_layout``
+    (:mod:`~mmslab.models.layers.export_mode`): the standard multi-head transposes of each
+    output (``window_major``), or one transpose of the windows to ``[N, B', C]`` and
+    permutations of the outputs that onnxruntime folds into the attention products
+    (``token_major``)."""
     d = qkv.out_features // (3 * num_heads)
     w_q, w_k, w_v = qkv.weight.chunk(3)
     b_q, b_k, b_v = qkv.bias.chunk(3) if qkv.bias is not None else (None, ) * 3
+    if head_layout_setting() == 'token_major':
+        tokens = windows.transpose(0, 1)  # [N, B', C]
+        q = F.linear(tokens, w_q * scale, None if b_q is None else b_q * scale)
+        q = q.reshape(n, -1, num_heads, d).permute(1, 2, 0, 3)
+        k = F.linear(tokens, w_k, b_k).reshape(n, -1, num_heads, d).permute(1, 2, 3, 0)
+        v = F.linear(tokens, w_v, b_v).reshape(n, -1, num_heads, d).permute(1, 2, 0, 3)
+        return q, k, v
     q = F.linear(windows, w_q * scale, None if b_q is None else b_q * scale)
     q = q.reshape(-1, n, num_heads, d).transpose(1, 2)
     k = F.linear(windows, w_k, b_k).reshape(-1, n, num_heads, d).permute(0, 2, 3, 1)
