@@ -27,8 +27,9 @@ path that opens an OpenVINO model does. INT8 is calibrated for each runtime on i
 images (latency does not depend on the calibration data; accuracy is measured by
 tools/test.py --backend ... --int8). Each runtime's graph has its own head layout
 (``export_runtime_graphs``; recorded under ``runtime_head_layouts``), and onnxruntime
-sessions flush denormal floats on every thread, as the runtime layer opens them. Batch 1. Prints a table and the targets, writes
-``deploy_speed.json`` and ``deploy_speed.png``; the JSON records the CPU, ISA and BLAS.
+sessions flush denormal floats on every thread, as the runtime layer opens them. Batch 1.
+Prints a table and the targets, writes ``deploy_speed.json`` and ``deploy_speed.png``; the
+JSON records the CPU, ISA and BLAS.
 """
 import argparse
 import gc

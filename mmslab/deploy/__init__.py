@@ -3,7 +3,8 @@ torch-free predictor (``python -m mmslab.deploy.predict``).
 
 * ``export_info``: ``export.json``, its one writer and validator (standard library only);
 * ``runtimes``: the runtime layer, opening an exported model in onnxruntime / OpenVINO at a
-  precision (numpy only at import; the predictor's and ``tools/test.py --backend``'s);
+  precision (numpy only at import; the predictor's and ``tools/test.py --backend``'s), with
+  ``denormals`` (denormal floats flushed on the thread calling onnxruntime);
 * ``onnx_export`` (PyTorch) and ``quantize`` (calibration and INT8, needing the model): the
   export side, imported on first use (PEP 562 module ``__getattr__``), so that ``runtimes``
   and ``predict`` import without PyTorch. ``from mmslab.deploy import export_onnx`` works as
@@ -16,13 +17,15 @@ from .runtimes import (PRECISIONS, RUNTIMES, artifact_path, convert_to_openvino,
 
 _LAZY = dict(
     **{name: 'onnx_export' for name in
-       ('PARTS', 'ExportWrapper', 'export_onnx', 'max_relative_error', 'torch_outputs')},
+       ('PARTS', 'ExportWrapper', 'export_onnx', 'export_runtime_graphs', 'max_relative_error',
+        'torch_outputs')},
     **{name: 'quantize' for name in
        ('calibration_images', 'preprocessed_images', 'quantize_onnxruntime',
         'quantize_openvino')})
 
 __all__ = ['PARTS', 'PRECISIONS', 'RUNTIMES', 'ExportWrapper', 'artifact_path',
-           'calibration_images', 'convert_to_openvino', 'export_onnx', 'load_runtime_model',
+           'calibration_images', 'convert_to_openvino', 'export_onnx', 'export_runtime_graphs',
+           'load_runtime_model',
            'max_relative_error', 'open_model', 'preprocessed_images', 'quantize_onnxruntime',
            'quantize_openvino', 'resolve_precision', 'torch_outputs']
 

@@ -40,11 +40,12 @@ def _load_libm() -> Optional[ctypes.CDLL]:
         _libm = False
         if sys.platform.startswith('linux') and platform.machine() in ('x86_64', 'AMD64') \
                 and platform.libc_ver()[0] == 'glibc':
-            name = ctypes.util.find_library('m')
-            if name:
-                libm = ctypes.CDLL(name)
+            try:
+                libm = ctypes.CDLL(ctypes.util.find_library('m') or 'libm.so.6')
                 if _flushes(libm):
                     _libm = libm
+            except (OSError, AttributeError):  # no libm, or no fegetenv / fesetenv in it
+                pass
     return _libm or None
 
 
