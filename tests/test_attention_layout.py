@@ -140,9 +140,10 @@ def test_token_major_heads_fold_into_onnxruntimes_products_and_openvino_keeps_it
     from mmslab.deploy.runtimes import open_model
     sizes = [(75, 106)]
     model, inputs, refs = fused_with_reference('PRepBNSwin', sizes)
-    names, layouts = export_runtime_graphs(model, 'backbone', sizes[0], str(tmp_path),
-                                           ['onnxruntime', 'openvino'])
-    assert layouts == dict(onnxruntime='token_major', openvino='window_major')
+    _, report = export_runtime_graphs(model, 'backbone', sizes[0], str(tmp_path),
+                                      ['onnxruntime', 'openvino'])
+    assert report['head_layout'] == dict(onnxruntime='token_major', openvino='window_major')
+    assert report['split'] == sum(isinstance(m, WindowMSA) for m in model.modules())
     assert sorted(p.name for p in (tmp_path / 'openvino').iterdir()) == ['model.bin',
                                                                          'model.xml']
     path = str(tmp_path / 'model.onnx')

@@ -55,7 +55,7 @@ from mmslab.deploy.onnx_export import (DEFAULT_ATTENTION_LAYOUT, PARTS, ExportWr
 from mmslab.deploy.quantize import (calibration_images, preprocessed_images,
                                     quantize_onnxruntime, quantize_openvino)
 from mmslab.deploy.runtimes import RUNTIMES, artifact_path, load_runtime_model
-from mmslab.models.layers.window_attention import ATTENTION_LAYOUTS, attention_layout_report
+from mmslab.models.layers.window_attention import ATTENTION_LAYOUTS
 from mmslab.utils.launch import build_model_from_config, load_config
 from mmslab.utils.machine import has_bf16
 
@@ -209,7 +209,7 @@ def main(argv=None):
               f', traced at {shape[0]}x{shape[1]}) to {onnx_path}', logger='current')
     t0 = time.perf_counter()
     # (OpenVINO's IR comes from a graph in its own head layout: export_runtime_graphs)
-    names, head_layouts = export_runtime_graphs(
+    names, attention = export_runtime_graphs(
         model, part, shape, args.out, args.runtime, dynamic=args.dynamic,
         seg_argmax=args.seg_argmax, attention=args.attention)
     export_s = time.perf_counter() - t0
@@ -218,8 +218,7 @@ def main(argv=None):
         cfg, load_config(args.config, args.cfg_options)[0], config=args.config,
         checkpoint=args.checkpoint, part=part, task=task_of(model), outputs=names,
         shape=shape, dynamic=args.dynamic, seg_argmax=args.seg_argmax,
-        attention=dict(attention_layout_report(model, args.attention, args.dynamic),
-                       head_layout=head_layouts),
+        attention=attention,
         precisions=['fp32'] + (['int8'] if args.int8 else []), tolerance=FP32_TOLERANCE,
         export_seconds=round(export_s, 1), runtimes={})
     report['onnx_mb'] = onnx_size_mb(onnx_path)

@@ -25,9 +25,8 @@ _LAZY = dict(
 
 __all__ = ['PARTS', 'PRECISIONS', 'RUNTIMES', 'ExportWrapper', 'artifact_path',
            'calibration_images', 'convert_to_openvino', 'export_onnx', 'export_runtime_graphs',
-           'load_runtime_model',
-           'max_relative_error', 'open_model', 'preprocessed_images', 'quantize_onnxruntime',
-           'quantize_openvino', 'resolve_precision', 'torch_outputs']
+           'load_runtime_model', 'max_relative_error', 'open_model', 'preprocessed_images',
+           'quantize_onnxruntime', 'quantize_openvino', 'resolve_precision', 'torch_outputs']
 
 
 def __getattr__(name: str):

@@ -263,8 +263,10 @@ def export_runtime_graphs(model: nn.Module, part: str, shape: Tuple[int, int], o
     ``model.onnx`` (onnxruntime's graph, or OpenVINO's when onnxruntime is not asked for)
     and ``openvino/model.xml``. Where the two layouts differ and some window softmax
     attention takes the ``split`` layout, OpenVINO's IR is converted from a second trace;
-    otherwise from ``model.onnx``. Returns the output names and ``{runtime: head layout}``
-    (``None`` where no attention has heads to lay out), for ``export.json``."""
+    otherwise from ``model.onnx``. Returns the output names and the attention report of
+    ``export.json`` (:func:`~mmslab.models.layers.window_attention.attention_layout_report`)
+    with ``head_layout``: ``{runtime: head layout}``, ``None`` where no attention has heads
+    to lay out."""
     from mmslab.models.layers.export_mode import RUNTIME_HEAD_LAYOUTS
     from mmslab.models.layers.window_attention import attention_layout_report
     from .runtimes import RUNTIMES, convert_to_openvino
@@ -291,7 +293,7 @@ def export_runtime_graphs(model: nn.Module, part: str, shape: Tuple[int, int], o
         finally:
             if source != onnx_path and osp.exists(source):
                 os.remove(source)
-    return names, layouts
+    return names, dict(report, head_layout=layouts)
 
 
 #: Layout operators a weight may pass through on its way to a layer.

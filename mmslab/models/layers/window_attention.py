@@ -340,16 +340,15 @@ def split_qkv(qkv: nn.Linear, windows: Tensor, n: int, num_heads: int,
     w_q, w_k, w_v = qkv.weight.chunk(3)
     b_q, b_k, b_v = qkv.bias.chunk(3) if qkv.bias is not None else (None, ) * 3
     if head_layout_setting() == 'token_major':
-        tokens = windows.transpose(0, 1)  # [N, B', C]
-        q = F.linear(tokens, w_q * scale, None if b_q is None else b_q * scale)
-        q = q.reshape(n, -1, num_heads, d).permute(1, 2, 0, 3)
-        k = F.linear(tokens, w_k, b_k).reshape(n, -1, num_heads, d).permute(1, 2, 3, 0)
-        v = F.linear(tokens, w_v, b_v).reshape(n, -1, num_heads, d).permute(1, 2, 0, 3)
-        return q, k, v
-    q = F.linear(windows, w_q * scale, None if b_q is None else b_q * scale)
-    q = q.reshape(-1, n, num_heads, d).transpose(1, 2)
-    k = F.linear(windows, w_k, b_k).reshape(-1, n, num_heads, d).permute(0, 2, 3, 1)
-    v = F.linear(windows, w_v, b_v).reshape(-1, n, num_heads, d).transpose(1, 2)
+        x, head_shape = windows.transpose(0, 1), (n, -1, num_heads, d)  # x: [N, B', C]
+        qv_perm, k_perm = (1, 2, 0, 3), (1, 2, 3, 0)
+    else:
+        x, head_shape = windows, (-1, n, num_heads, d)
+        qv_perm, k_perm = (0, 2, 1, 3), (0, 2, 3, 1)
+    q = F.linear(x, w_q * scale, None if b_q is None else b_q * scale)
+    q = q.reshape(head_shape).permute(qv_perm)
+    k = F.linear(x, w_k, b_k).reshape(head_shape).permute(k_perm)
+    v = F.linear(x, w_v, b_v).reshape(head_shape).permute(qv_perm)
     return q, k, v
 
 
