@@ -856,6 +856,26 @@ def test_onnxruntime_int8_adds_the_bias_in_the_integer_matmul(tmp_path, monkeypa
     assert relative_rms(fused_out, ref) < 0.03
 
 
+def test_onnxruntime_int8_residual_reads_the_float_stream(tmp_path, monkeypatch):
+    """The residual Add of :class:`TokenMLP` reads the float tokens, not the 8-bit copy made for
+    ``fc1`` (no ``DequantizeLinear`` pass for it, one rounding fewer): closer to the float
+    graph than onnxruntime's own QDQ form of the same quantization."""
+    from mmslab.deploy import quantize
+    run = quantized_token_mlp(tmp_path)
+    graph, out, ref = run('float_residual.onnx')
+    producer = {o: n for n in graph.node for o in n.output}
+    adds = [n for n in graph.node if n.op_type == 'Add']
+    assert adds and all(producer[i].op_type != 'DequantizeLinear' for n in adds
+                        for i in n.input if i in producer)
+    assert not any(n.op_type == 'DequantizeLinear' for n in graph.node)
+    monkeypatch.setattr(quantize, 'read_float_where_float', lambda path: 0)
+    graph, rounded_out, _ = run('rounded_residual.onnx')
+    producer = {o: n for n in graph.node for o in n.output}
+    assert any(producer[i].op_type == 'DequantizeLinear' for n in graph.node
+               if n.op_type == 'Add' for i in n.input if i in producer)
+    assert relative_rms(out, ref) < relative_rms(rounded_out, ref) < 0.02
+
+
 def test_crop_size():
     from mmslab.engine.hooks.runtime_backend_hook import _crop_size
     # FPN levels of an 800-row export (strides 4..64), cropped for a 768-row input

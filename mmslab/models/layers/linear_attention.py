@@ -150,7 +150,9 @@ class SLA(Reparameterizable, WindowKernelBase):
                 num, den = self._heads_blockdiag(q, k, v, z)
             else:
                 num, den = self._heads_split(q, k, v, z)
-            den = den + self.eps
+            # eps on [B', N*h], the unit axis after: onnxruntime broadcasts a scalar onto
+            # [..., 1] one element at a time (40x slower than onto [..., h])
+            den = (den.reshape(bw, n * h) + self.eps).view(bw, n, h, 1)
             if exporting() or compiling():
                 out = num / den + dwc
             else:  # one pass instead of two
@@ -168,14 +170,14 @@ class SLA(Reparameterizable, WindowKernelBase):
     def _heads_split(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor) -> Tuple[Tensor, Tensor]:
         """Per-head products on ``[B', h, N, d]`` views: ``S = K^T V`` ``[B', h, d, d]`` and
         ``q [S | z]`` (numerator and normalizer from one product). Returns the numerator
-        ``[B', N, h, d]`` and the normalizer ``[B', N, h, 1]`` (views)."""
+        ``[B', N, h, d]`` and the normalizer ``[B', N, h]`` (views)."""
         bw, n, c = q.shape
         h, d = self.num_heads, self.head_dims
         qh, kh, vh = (_split_heads(t, h) for t in (q, k, v))
         kv = kh.transpose(-2, -1) @ vh  # [B', h, d, d]
         num = qh @ torch.cat([kv, z.view(bw, 1, h, d).permute(0, 2, 3, 1)], dim=-1)
         num = num.transpose(1, 2)  # [B', N, h, d + 1]
-        return num[..., :d], num[..., d:]
+        return num[..., :d], num[..., d]
 
     def _heads_blockdiag(self, q: Tensor, k: Tensor, v: Tensor,
                          z: Tensor) -> Tuple[Tensor, Tensor]:
@@ -184,7 +186,8 @@ class SLA(Reparameterizable, WindowKernelBase):
         ``[B', N, h, 1]`` (``Z``: ``z`` on each head's block of rows): no head transposes
         (runtimes pay for those more than for the ``h``-fold multiply-adds), exact (the
         masked blocks are zeros). Two products rather than one on ``[S | Z]``: slicing the
-        ``C + h`` columns apart costs two copies of the output."""
+        ``C + h`` columns apart costs two copies of the output. Returns the numerator
+        ``[B', N, h, d]`` and the normalizer ``[B', N, h]``."""
         bw, n, c = q.shape
         h, d = self.num_heads, self.head_dims
         head = torch.arange(c, device=q.device) // d
@@ -192,7 +195,7 @@ class SLA(Reparameterizable, WindowKernelBase):
         of_head = (head.view(-1, 1) == torch.arange(h, device=q.device)).to(q.dtype)  # [C, h]
         kv = (k.transpose(1, 2) @ v) * same_head  # [B', C, C]
         den = q @ (z.transpose(1, 2) * of_head)  # [B', N, h]
-        return (q @ kv).view(bw, n, h, d), den.unsqueeze(-1)
+        return (q @ kv).view(bw, n, h, d), den
 
 
 @register_model()
