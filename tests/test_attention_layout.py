@@ -175,6 +175,53 @@ def test_token_major_heads_fold_into_onnxruntimes_products_and_openvino_keeps_it
     assert not {(1, 0, 2), (1, 2, 0, 3), (1, 2, 3, 0)} & set(ov_perms)
 
 
+def test_token_major_sla_windows_fold_into_onnxruntimes_products(tmp_path):
+    """Window SLA in onnxruntime's (token-major) graph: windows gathered token-major, the
+    per-head products with no transpose left of them (``FusedMatMul`` with ``transBatch``), at
+    every input size equal to the unfused model (several heads, padded and cropped windows,
+    shifted and not); OpenVINO's graph keeps the block-diagonal form. export.json's report
+    says which form each runtime's graph has."""
+    from mmslab.deploy.onnx_export import export_runtime_graphs
+    from mmslab.deploy.runtimes import open_model
+    from mmslab.models.layers import SLA
+    torch.manual_seed(0)
+    model = randomize_weights(build_preset('SLABSwin', num_heads=(2, 4, 2, 4)), 0)
+    sizes = [(75, 106), (64, 64), (106, 41)]
+    inputs = [torch.randn(1, 3, *s) for s in sizes]
+    with torch.no_grad():
+        refs = [[o.numpy() for o in model(x)] for x in inputs]
+    mmslab.reparameterize(model)
+    _, report = export_runtime_graphs(model, 'backbone', sizes[0], str(tmp_path),
+                                      ['onnxruntime', 'openvino'], dynamic=True)
+    sla = sum(isinstance(m, SLA) for m in model.modules())
+    assert report['head_layout'] == dict(onnxruntime='token_major', openvino='window_major')
+    assert report['linear_attention'] == dict(onnxruntime=dict(heads=sla, blockdiag=0),
+                                              openvino=dict(heads=0, blockdiag=sla))
+    path = str(tmp_path / 'model.onnx')
+    for runtime, model_path in (('onnxruntime', path),
+                                ('openvino', str(tmp_path / 'openvino' / 'model.xml'))):
+        session = open_model(model_path, runtime, threads=2)
+        for x, ref in zip(inputs, refs):
+            for r, o in zip(ref, session(x.numpy())):
+                assert np.abs(o - r).max() / np.abs(r).max() < 1e-4, (runtime, x.shape)
+    opts = ort.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / 'ort_optimized.onnx')
+    ort.InferenceSession(path, opts, providers=['CPUExecutionProvider'])
+    optimized = onnx.load(opts.optimized_model_filepath).graph
+    weights = {i.name for i in optimized.initializer}
+    optimized = optimized.node
+    sla_nodes = [n for n in optimized if any(
+        f'stages.{i}/' in n.name for i, s in enumerate(model.stages)
+        if isinstance(s.blocks[0].attn.w_msa, SLA))]
+    # four window groups per block, three per-head products each (S^T, numerator, normalizer)
+    # and the key sum: all FusedMatMul, none a plain MatMul behind a Transpose
+    products = [n for n in sla_nodes if n.op_type in ('MatMul', 'FusedMatMul')
+                and not weights & set(n.input)]
+    assert len(products) == 4 * 4 * sla and all(n.op_type == 'FusedMatMul' for n in products)
+    left = [tuple(a.ints) for n in sla_nodes if n.op_type == 'Transpose' for a in n.attribute]
+    assert not {(1, 2, 0, 3), (1, 2, 3, 0)} & set(left)
+
+
 def transposes_in_ir(xml_path):
     """The permutations of the Transpose operations of an OpenVINO IR."""
     from mmslab.deploy.runtimes import import_openvino

@@ -266,16 +266,24 @@ def export_runtime_graphs(model: nn.Module, part: str, shape: Tuple[int, int], o
     otherwise from ``model.onnx``. Returns the output names and the attention report of
     ``export.json`` (:func:`~mmslab.models.layers.window_attention.attention_layout_report`)
     with ``head_layout``: ``{runtime: head layout}``, ``None`` where no attention has heads
-    to lay out."""
+    to lay out, and ``linear_attention``: ``{runtime: SLA's product forms}`` (window SLA takes
+    the per-head form in a ``token_major`` graph)."""
     from mmslab.models.layers.export_mode import RUNTIME_HEAD_LAYOUTS
+    from mmslab.models.layers.shift_window import ShiftWindowAttention
     from mmslab.models.layers.window_attention import attention_layout_report
     from .runtimes import RUNTIMES, convert_to_openvino
     unknown = set(runtimes) - set(RUNTIMES)
     if unknown or not runtimes:
         raise ValueError(f'runtimes {list(runtimes)}: choose from {RUNTIMES}')
     report = attention_layout_report(model, attention, dynamic)
-    has_heads = attention == 'split' and bool(report['split'] or report['mmdet_window_msa'])
+    token_major_sla = any(isinstance(m, ShiftWindowAttention) and m.w_msa.has_token_major_form
+                          for m in model.modules())
+    has_heads = attention == 'split' and bool(report['split'] or report['mmdet_window_msa'] or
+                                              token_major_sla)
     layouts = {r: RUNTIME_HEAD_LAYOUTS[r] if has_heads else None for r in runtimes}
+    linear = {r: attention_layout_report(model, attention, dynamic,
+                                         layouts[r] or 'window_major')['linear_attention']
+              for r in runtimes}
     first = 'onnxruntime' if 'onnxruntime' in runtimes else runtimes[0]
     onnx_path = osp.join(out_dir, 'model.onnx')
     kwargs = dict(dynamic=dynamic, seg_argmax=seg_argmax, attention=attention)
@@ -293,7 +301,7 @@ def export_runtime_graphs(model: nn.Module, part: str, shape: Tuple[int, int], o
         finally:
             if source != onnx_path and osp.exists(source):
                 os.remove(source)
-    return names, dict(report, head_layout=layouts)
+    return names, dict(report, head_layout=layouts, linear_attention=linear)
 
 
 #: Layout operators a weight may pass through on its way to a layer.

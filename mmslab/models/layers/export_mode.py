@@ -37,7 +37,10 @@ These choices change the form a layer takes (never its numbers):
   ``K^T V`` on all ``C`` channels masked to its per-head blocks (``heads``-fold multiply-adds,
   no transposes). ``auto``: ``blockdiag`` for at most :data:`BLOCKDIAG_MAX_HEADS` heads
   (SLAB-Swin-T's 3 and 6), where it was faster in eager PyTorch and OpenVINO on the CPU
-  measured (docs/benchmarks.md), ``heads`` above. The same numbers either way.
+  measured (docs/benchmarks.md), ``heads`` above; in a ``token_major`` graph, window SLA
+  gathers its windows token-major and takes ``heads`` (``SLA.attend_token_major``: the
+  permutations fold into onnxruntime's products, no transposes either). The same numbers
+  every way.
 * ``window_softmax`` (``auto`` | ``sdpa`` | ``matmul``): how eager window softmax attention
   is computed; ``auto`` times both once per shape
   (:func:`~mmslab.models.layers.window_attention.choose_window_softmax`). The process
@@ -125,11 +128,15 @@ def window_softmax_setting() -> str:
     return _state['window_softmax']
 
 
-def linear_attention_form(kernel) -> str:
+def linear_attention_form(kernel, token_major: bool = False) -> str:
     """``heads`` or ``blockdiag``: the form SLA ``kernel`` computes in under the current
-    ``linear_attention`` choice."""
+    ``linear_attention`` choice; ``token_major``: on windows gathered token-major (graphs in
+    the ``token_major`` head layout), where ``auto`` takes ``heads``, whose permutations
+    onnxruntime folds into its products."""
     form = _state['linear_attention']
     if form == 'auto':
+        if token_major:
+            return 'heads'
         return 'blockdiag' if kernel.num_heads <= BLOCKDIAG_MAX_HEADS else 'heads'
     return form
 

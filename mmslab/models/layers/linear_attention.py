@@ -70,6 +70,7 @@ class SLA(Reparameterizable, WindowKernelBase):
     masks_padding = True
     needs_eval_mode = False
     has_blockdiag_form = True
+    has_token_major_form = True
     eps = 1e-6
 
     def __init__(self, embed_dims: int, num_heads: int, window_size, qkv_bias: bool = True,
@@ -159,6 +160,36 @@ class SLA(Reparameterizable, WindowKernelBase):
                 out = torch.addcdiv(dwc, num, den)
             out = out.reshape(bw, n, c)
         return out.to(qkv.dtype if packed else qkv[0].dtype)
+
+    def attend_token_major(self, qkv: Tuple[Tensor, Tensor, Tensor], window_hw,
+                           valid: Optional[Tensor] = None, origin=(0, 0)) -> Tensor:
+        """Exported graphs in the ``token_major`` head layout: ``q`` (after its ReLU), ``k``,
+        ``v`` ``[N, B', C]`` (the windows' tokens first) -> ``[B', N, C]``, in per-head products
+        whose operand permutations onnxruntime folds into them (``FusedMatMul`` with
+        ``transBatch``), transposed: ``S^T = V^T K`` ``[B', h, d, d]``, the numerator
+        ``S^T q^T`` and the normalizer ``z^T q^T`` ``[B', h, 1, N]`` come out channels-first,
+        as the DWC's output, so one transpose takes their sum to the window tokens. A third
+        (3 heads) or a sixth (6 heads) of the block-diagonal form's multiply-adds."""
+        q, k, v = qkv
+        n, c = q.shape[0], self.embed_dims
+        h, d = self.num_heads, self.head_dims
+        wh, ww = window_hw
+        k = (k + self._positional_encoding(window_hw, origin).transpose(0, 1)).relu()
+        if valid is None:
+            z = k.sum(dim=0)  # [B', C]
+        else:  # padded slots' keys are relu(0 + p): a product with the [B', 1, N] mask
+            z = valid.unsqueeze(1).to(k.dtype) @ k.transpose(0, 1)  # [B', 1, C]
+        q_t = q.reshape(n, -1, h, d).permute(1, 2, 3, 0)  # [B', h, d, N]
+        s_t = v.reshape(n, -1, h, d).permute(1, 2, 3, 0) @ \
+            k.reshape(n, -1, h, d).permute(1, 2, 0, 3)  # [B', h, d, d]
+        num = s_t @ q_t  # [B', h, d, N]
+        den = z.reshape(-1, h, 1, d) @ q_t + self.eps  # [B', h, 1, N]
+        weight = self.dwc.weight.repeat(h, 1, 1, 1)
+        bias = None if self.dwc.bias is None else self.dwc.bias.repeat(h)
+        dwc = F.conv2d(v.permute(1, 2, 0).reshape(-1, c, wh, ww), weight, bias,
+                       padding=self.dwc.padding, groups=c)  # [B', C, wh, ww]
+        out = num / den + dwc.reshape(-1, h, d, n)
+        return out.reshape(-1, c, n).transpose(1, 2)
 
     def qkv_parts(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """:meth:`WindowKernelBase.qkv_parts` with ``q`` after its ReLU feature map: graphs

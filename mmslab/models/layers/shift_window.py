@@ -8,8 +8,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .builder import build_window_attention
-from .export_mode import compiling, exporting, split_layout_token, symbolic_shapes_enabled
+from .export_mode import (compiling, exporting, head_layout_setting, linear_attention_form,
+                          split_layout_token, symbolic_shapes_enabled)
 from .symbolic import Size, as_size, ceil_div, graph_size, size_max
+
+
+def takes_token_major_windows(kernel) -> bool:
+    """Whether graphs traced now gather ``kernel``'s cropped windows token-major
+    (``SLA.attend_token_major``): in the ``token_major`` head layout, where its products take
+    the per-head form."""
+    return kernel.has_token_major_form and head_layout_setting() == 'token_major' and \
+        linear_attention_form(kernel, token_major=True) == 'heads'
 
 
 def window_partition(x: Tensor, wh: int, ww: int) -> Tensor:
@@ -288,6 +297,9 @@ class ShiftWindowAttention(nn.Module):
         # graph form when traced, and on the shape-generic layout (no gather: as
         # _graph_layout), which eager runs under export_mode(symbolic=True)
         graph = exporting() or compact['gather'] is None
+        # token-major windows ([N, B', C]) for a kernel with that form, in a graph traced so
+        # (see export_mode's head_layout): the same gather, its index in another order
+        token_major = graph and takes_token_major_windows(kernel)
         if graph:
             # q, k, v projected on the tokens, V with a zero row for padded slots (see
             # _gather_masked_parts), each group gathered from them: no Slice copies a
@@ -299,6 +311,16 @@ class ShiftWindowAttention(nn.Module):
         outs, tokens = [], None
         for group in compact['groups']:
             n = group['hw'][0] * group['hw'][1]
+            if token_major:
+                # (one image: a batch of several fails on the reshape to `count` windows)
+                any_, pad = (group[key].view(-1, n).t().reshape(-1)
+                             for key in ('gather_any', 'gather_or_pad'))
+                windows = tuple(part.index_select(1, index).reshape(n, group['count'], c)
+                                for part, index in ((q, any_), (k, any_), (v, pad)))
+                out = kernel.attend_token_major(windows, group['hw'], valid=group['valid'],
+                                                origin=group['origin'])
+                outs.append(out.reshape(b, -1, c))
+                continue
             if graph:
                 windows = (q.index_select(1, group['gather_any']),
                            k.index_select(1, group['gather_any']),

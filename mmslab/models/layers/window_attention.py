@@ -22,7 +22,8 @@ from mmslab.registry import register_model
 from .affine import fold_affine_into_next_linear
 from .reparameterizable import Reparameterizable
 from .export_mode import (ATTENTION_LAYOUTS, check_attention_layout,  # noqa: F401 (re-exported)
-                          compiling, exporting, head_layout_setting, linear_attention_form,
+                          compiling, export_mode, exporting, head_layout_setting,
+                          linear_attention_form,
                           symbolic_shapes_enabled, takes_split_layout, window_softmax_setting)
 
 
@@ -37,7 +38,8 @@ def foreign_window_msa_classes() -> tuple:
     return tuple(classes)
 
 
-def attention_layout_report(model: nn.Module, layout: str, dynamic: bool = True) -> dict:
+def attention_layout_report(model: nn.Module, layout: str, dynamic: bool = True,
+                            head_layout: str = 'window_major') -> dict:
     """What an export in ``layout`` (:mod:`~mmslab.models.layers.export_mode`) does with each
     window attention of ``model`` (for ``export.json``): ``{'layout', 'split', 'packed'}``,
     the counts of mmslab kernels in each form (kernels without the split form, or whose
@@ -46,25 +48,31 @@ def attention_layout_report(model: nn.Module, layout: str, dynamic: bool = True)
     product forms) and ``linear_windows``: how the windows of kernels that mask padding
     (SLA, BiNorm) meet a padded map: ``cropped`` of the padding, grouped in four groups
     of runtime size (``groups='runtime'``) in a graph of free size (``dynamic``), by the
-    span of their valid tokens (``groups='span'``) in a fixed-size one."""
-    from .shift_window import ShiftWindowAttention  # (shift_window imports this module)
+    span of their valid tokens (``groups='span'``) in a fixed-size one. ``head_layout``: of
+    the graph (SLA's windows are token-major in a ``token_major`` one, where they are
+    cropped: always in a free-size graph, where the map is padded in a fixed-size one)."""
+    # (shift_window imports this module)
+    from .shift_window import ShiftWindowAttention, takes_token_major_windows
     check_attention_layout(layout)
     foreign_classes = foreign_window_msa_classes()
     split = packed = foreign = 0
     linear = dict(heads=0, blockdiag=0)
     masked = 0  # windowed kernels that mask padding
-    for m in model.modules():
-        if isinstance(m, ShiftWindowAttention):
-            masked += m.w_msa.masks_padding
-        elif isinstance(m, WindowKernelBase):
-            if takes_split_layout(m, layout):
-                split += 1
-            else:
-                packed += 1
-            if m.has_blockdiag_form:
-                linear[linear_attention_form(m)] += 1
-        elif foreign_classes and isinstance(m, foreign_classes):
-            foreign += 1
+    windowed = {id(m.w_msa) for m in model.modules() if isinstance(m, ShiftWindowAttention)}
+    with export_mode(head_layout=head_layout):
+        for m in model.modules():
+            if isinstance(m, ShiftWindowAttention):
+                masked += m.w_msa.masks_padding
+            elif isinstance(m, WindowKernelBase):
+                if takes_split_layout(m, layout):
+                    split += 1
+                else:
+                    packed += 1
+                if m.has_blockdiag_form:
+                    token_major = id(m) in windowed and takes_token_major_windows(m)
+                    linear[linear_attention_form(m, token_major)] += 1
+            elif foreign_classes and isinstance(m, foreign_classes):
+                foreign += 1
     return dict(layout=layout, split=split, packed=packed, mmdet_window_msa=foreign,
                 linear_attention=linear,
                 linear_windows=dict(form='cropped', groups='runtime' if dynamic else 'span',
@@ -163,6 +171,8 @@ class WindowKernelBase(nn.Module):
     #: Whether the kernel has SLA's two forms of its per-head products (``linear_attention``
     #: of :mod:`~mmslab.models.layers.export_mode`).
     has_blockdiag_form = False
+    #: ``attend_token_major``: windows ``[N, B', C]`` (exported graphs, ``token_major`` heads)
+    has_token_major_form = False
 
     #: Whether :meth:`attend_tokens` exists (the ``split`` exported layout, see
     #: :mod:`~mmslab.models.layers.export_mode`).
