@@ -20,7 +20,8 @@ Keys (schema :data:`SCHEMA_VERSION`):
   ``model_config_sha256`` (of the model section), ``checkpoint``, ``checkpoint_sha256``
   (null for ``--random-weights``), ``random_weights``, ``seg_argmax``, ``attention`` (the
   window-attention layout in the graph and how many blocks took it; ``linear_attention``: the
-  form of SLA's per-head products; ``linear_windows``: how SLA's / BiNorm's windows are
+  form of SLA's per-head products, ``{runtime: counts}`` (window SLA takes the token-major
+  per-head form in onnxruntime's graph); ``linear_windows``: how SLA's / BiNorm's windows are
   cropped of the padding, in runtime-sized groups in a free-size graph or grouped by span in
   a fixed-size one; ``head_layout``: ``{runtime: layout}`` of q, k, v in each runtime's
   graph, null where no attention took the ``split`` layout),

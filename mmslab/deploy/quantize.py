@@ -86,7 +86,7 @@ def read_float_where_float(path: str) -> int:
     many inputs were rewired.
 
     onnxruntime's quantizer gives every reader of a quantized tensor the dequantized copy.
-    Where a norm is folded into the next layers (PRepBN, SLAB, RePa), the residual stream
+    Where a norm is folded into the next layers (PRepBN, SLAB), the residual stream
     itself is the input of the ``qkv`` and ``fc1`` layers, so the residual additions read it
     rounded to 8 bits and a ``DequantizeLinear`` pass over it runs for them alone (SLAB-Swin-T
     at 512x512: about 3 ms of onnxruntime's INT8 kernel time). The float tensor is what the
