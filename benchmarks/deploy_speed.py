@@ -26,7 +26,8 @@ path that opens an OpenVINO model does. INT8 is calibrated for each runtime on i
 (onnxruntime static QDQ per-channel; NNCF for OpenVINO) with ``--calib-images`` random
 images (latency does not depend on the calibration data; accuracy is measured by
 tools/test.py --backend ... --int8). Each runtime's graph has its own head layout
-(``export_runtime_graphs``; recorded under ``runtime_head_layouts``), and onnxruntime
+(``export_runtime_graphs``; recorded under ``runtime_head_layouts``, and in each runtime
+row's ``graph`` with SLA's product forms), and onnxruntime
 sessions flush denormal floats on every thread, as the runtime layer opens them. Batch 1.
 Prints a table and the targets, writes ``deploy_speed.json`` and ``deploy_speed.png``; the
 JSON records the CPU, ISA and BLAS.
@@ -63,6 +64,7 @@ RUNTIMES = ('eager', 'eager bf16', 'ort fp32', 'ort int8', 'ov fp32', 'ov bf16',
 DEFAULT_RUNTIMES = ('eager', 'ort fp32', 'ort int8', 'ov fp32', 'ov int8')
 BASELINE = 'mmdet Swin-T'
 CONTROL = 'LN Swin-T'  # mmslab's own LayerNorm Swin-T
+RUNTIME_PREFIXES = dict(onnxruntime='ort ', openvino='ov ')  # runtime -> its rows' prefix
 MMDET_MASK_RCNN = 'swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'  # in mmdet's package
 MASK_RCNN_CONFIGS = {
     'mmdet Swin-T': MMDET_MASK_RCNN,
@@ -144,14 +146,19 @@ def build_upernet(config: str, fuse: bool, cfg_options=None) -> torch.nn.Module:
 
 def deploy_forms(model, part, shape, runtimes, workdir, threads, calib_images,
                  dynamic: bool = True, attention: str = DEFAULT_ATTENTION):
-    """{runtime: callable(image)} for one model and input shape."""
+    """``({runtime: callable(image)}, {runtime name: form of its graph})`` for one model and
+    input shape; the form: the head layout and SLA's product forms of that runtime's graph
+    (``export_runtime_graphs``' report)."""
     os.makedirs(workdir, exist_ok=True)
     onnx_path = osp.join(workdir, 'model.onnx')
-    used = [name for name, prefix in (('onnxruntime', 'ort '), ('openvino', 'ov '))
+    used = [name for name, prefix in RUNTIME_PREFIXES.items()
             if any(r.startswith(prefix) for r in runtimes)]
+    graph_forms = {}
     if used:  # each runtime's graph in its own head layout
-        export_runtime_graphs(model, part, shape, workdir, used, dynamic=dynamic,
-                              attention=attention)
+        _, report = export_runtime_graphs(model, part, shape, workdir, used, dynamic=dynamic,
+                                          attention=attention)
+        graph_forms = {r: dict(head_layout=report['head_layout'][r],
+                               linear_attention=report['linear_attention'][r]) for r in used}
     calib = [np.random.RandomState(i).randn(1, 3, *shape).astype(np.float32)
              for i in range(calib_images)]
     forms = {}
@@ -193,7 +200,7 @@ def deploy_forms(model, part, shape, runtimes, workdir, threads, calib_images,
             q = quantize_openvino(xml, osp.join(workdir, 'openvino', 'model_int8.xml'), calib)
             m = open_model(q, 'openvino', 'int8', threads)
             forms['ov int8'] = lambda m=m: m(image)
-    return forms
+    return forms, graph_forms
 
 
 def eager_detector(model, x):
@@ -350,7 +357,7 @@ def measure_case(args, tmp, shape_text: str, kind: str, rows: list) -> dict:
     """Prepare and time one (shape, kind) case; appends its rows, returns
     {(model, rt): [ms per interleaved round]}."""
     shape = parse_shape(shape_text)
-    fns = {}
+    fns, graphs = {}, {}
     if kind == 'backbone':
         builds = {name: (build_backbone(name), 'backbone') for name in args.models}
     elif kind == 'maskrcnn':
@@ -366,11 +373,15 @@ def measure_case(args, tmp, shape_text: str, kind: str, rows: list) -> dict:
         for i, (dynamic, attention, suffix) in enumerate(export_variants(args)):
             runtimes = args.runtimes if i == 0 else \
                 [r for r in args.runtimes if not r.startswith('eager')]
-            forms = deploy_forms(model, part, shape, runtimes,
-                                 osp.join(tmp, f'{kind}_{shape_text}_{len(fns)}'),
-                                 args.threads, args.calib_images, dynamic, attention)
+            forms, graph_forms = deploy_forms(model, part, shape, runtimes,
+                                              osp.join(tmp, f'{kind}_{shape_text}_{len(fns)}'),
+                                              args.threads, args.calib_images, dynamic,
+                                              attention)
             for rt, fn in forms.items():
-                fns[(name, rt if rt.startswith('eager') else rt + suffix)] = fn
+                key = (name, rt if rt.startswith('eager') else rt + suffix)
+                fns[key] = fn
+                graphs[key] = next((form for r, form in graph_forms.items()
+                                    if rt.startswith(RUNTIME_PREFIXES[r])), None)
     bar = ProgressBar(len(fns) * args.repeat)
     keyed = {f'{n} | {r}': f for (n, r), f in fns.items()}
     times = measure_interleaved(keyed, args.repeat, args.warmup, bar.update)
@@ -379,7 +390,10 @@ def measure_case(args, tmp, shape_text: str, kind: str, rows: list) -> dict:
     for key, ms in times.items():
         name, rt = key.split(' | ')
         res[(name, rt)] = ms
-        rows.append(dict(kind=kind, shape=shape_text, model=name, runtime=rt, **summarize(ms)))
+        row = dict(kind=kind, shape=shape_text, model=name, runtime=rt, **summarize(ms))
+        if graphs[(name, rt)] is not None:  # the form of the graph timed
+            row['graph'] = graphs[(name, rt)]
+        rows.append(row)
     return res
 
 
