@@ -184,9 +184,12 @@ def test_token_major_sla_windows_fold_into_onnxruntimes_products(tmp_path):
     from mmslab.deploy.onnx_export import export_runtime_graphs
     from mmslab.deploy.runtimes import open_model
     from mmslab.models.layers import SLA
+    from mmslab.models.layers.shift_window import ShiftWindowAttention
     torch.manual_seed(0)
     model = randomize_weights(build_preset('SLABSwin', num_heads=(2, 4, 2, 4)), 0)
-    sizes = [(75, 106), (64, 64), (106, 41)]
+    # (28 rows: 7 tokens in stage 1, fewer than the window: one window along that axis,
+    # holding padding, which an unshifted block computes but never reads back)
+    sizes = [(75, 106), (64, 64), (106, 41), (28, 106)]
     inputs = [torch.randn(1, 3, *s) for s in sizes]
     with torch.no_grad():
         refs = [[o.numpy() for o in model(x)] for x in inputs]
@@ -214,10 +217,17 @@ def test_token_major_sla_windows_fold_into_onnxruntimes_products(tmp_path):
         f'stages.{i}/' in n.name for i, s in enumerate(model.stages)
         if isinstance(s.blocks[0].attn.w_msa, SLA))]
     # four window groups per block, three per-head products each (S^T, numerator, normalizer)
-    # and the key sum: all FusedMatMul, none a plain MatMul behind a Transpose
+    # and in shifted blocks the masked key sum: all FusedMatMul, none a plain MatMul behind a
+    # Transpose (unshifted, no window read back holds padding: a plain sum, no V zero row)
+    shifted = sum(isinstance(m, ShiftWindowAttention) and isinstance(m.w_msa, SLA) and
+                  m.shift_size > 0 for m in model.modules())
     products = [n for n in sla_nodes if n.op_type in ('MatMul', 'FusedMatMul')
                 and not weights & set(n.input)]
-    assert len(products) == 4 * 4 * sla and all(n.op_type == 'FusedMatMul' for n in products)
+    assert 0 < shifted < sla
+    assert len(products) == 4 * (3 * sla + shifted)
+    assert all(n.op_type == 'FusedMatMul' for n in products)
+    pads = [n for n in sla_nodes if n.op_type == 'Pad' and '/attn/' in n.name]
+    assert len(pads) == shifted  # V's zero row, in shifted blocks only
     left = [tuple(a.ints) for n in sla_nodes if n.op_type == 'Transpose' for a in n.attribute]
     assert not {(1, 2, 0, 3), (1, 2, 3, 0)} & set(left)
 

@@ -300,38 +300,45 @@ class ShiftWindowAttention(nn.Module):
         # token-major windows ([N, B', C]) for a kernel with that form, in a graph traced so
         # (see export_mode's head_layout): the same gather, its index in another order
         token_major = graph and takes_token_major_windows(kernel)
+        # Unshifted, every window read back holds valid tokens only (a window along an axis
+        # the map does not fill, the padded frame, is computed but never read: see
+        # _axis_window_classes), so graphs need neither V's zero row nor the key mask there.
+        masked = self.shift_size != 0
         if graph:
             # q, k, v projected on the tokens, V with a zero row for padded slots (see
             # _gather_masked_parts), each group gathered from them: no Slice copies a
             # group out of one gather of all slots
             q, k, v = kernel.qkv_parts(x)
-            v = F.pad(v, (0, 0, 0, 1))
+            if masked:
+                v = F.pad(v, (0, 0, 0, 1))
         else:
             slots = self._qkv_windows(x, compact)
         outs, tokens = [], None
         for group in compact['groups']:
             n = group['hw'][0] * group['hw'][1]
+            pad_key = 'gather_or_pad' if masked else 'gather_any'
+            valid = group['valid'] if masked or not graph else None
             if token_major:
                 # (one image: a batch of several fails on the reshape to `count` windows)
                 any_, pad = (group[key].view(-1, n).t().reshape(-1)
-                             for key in ('gather_any', 'gather_or_pad'))
+                             for key in ('gather_any', pad_key))
                 windows = tuple(part.index_select(1, index).reshape(n, group['count'], c)
                                 for part, index in ((q, any_), (k, any_), (v, pad)))
-                out = kernel.attend_token_major(windows, group['hw'], valid=group['valid'],
+                out = kernel.attend_token_major(windows, group['hw'], valid=valid,
                                                 origin=group['origin'])
                 outs.append(out.reshape(b, -1, c))
                 continue
             if graph:
                 windows = (q.index_select(1, group['gather_any']),
                            k.index_select(1, group['gather_any']),
-                           v.index_select(1, group['gather_or_pad']))
+                           v.index_select(1, group[pad_key]))
                 windows = tuple(part.reshape(-1, n, c) for part in windows)
             else:
                 span = slice(group['start'], group['start'] + group['count'] * n)
                 windows = slots[:, span].reshape(-1, n, 3 * c) \
                     if isinstance(slots, Tensor) else \
                     tuple(part[:, span].reshape(-1, n, c) for part in slots)
-            out = kernel.attend(windows, group['count'], group['hw'], valid=group['valid'],
+            out = kernel.attend(windows, group['count'], group['hw'], valid=valid,
                                 origin=group['origin']).reshape(b, -1, c)
             if graph:
                 outs.append(out)
