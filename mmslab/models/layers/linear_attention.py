@@ -139,12 +139,8 @@ class SLA(Reparameterizable, WindowKernelBase):
             q = F.relu(q.to(dtype)) if packed else q.to(dtype)
             k = (k.to(dtype) + pos.to(dtype)).relu_()
             v = v.to(dtype)  # zero in padded slots (the caller's contract, see WindowKernelBase)
-            # The shared per-head DWC is one depth-wise conv over all C channels (weights tiled
-            # over heads), run on a channels-last view of V: no head split, no copy.
-            v_map = v.reshape(bw, wh, ww, c).permute(0, 3, 1, 2)
-            weight = self.dwc.weight.repeat(h, 1, 1, 1).to(dtype)
-            bias = None if self.dwc.bias is None else self.dwc.bias.repeat(h).to(dtype)
-            dwc = F.conv2d(v_map, weight, bias, padding=self.dwc.padding, groups=c)
+            # on a channels-last view of V: no head split, no copy
+            dwc = self._tiled_dwc(v.reshape(bw, wh, ww, c).permute(0, 3, 1, 2))
             dwc = dwc.permute(0, 2, 3, 1).reshape(bw, n, h, d)
             z = _key_sum(k, valid)  # [B', 1, C]; padded slots add nothing to K^T V (v = 0)
             if linear_attention_form(self) == 'blockdiag':
@@ -184,12 +180,17 @@ class SLA(Reparameterizable, WindowKernelBase):
             k.reshape(n, -1, h, d).permute(1, 2, 0, 3)  # [B', h, d, d]
         num = s_t @ q_t  # [B', h, d, N]
         den = z.reshape(-1, h, 1, d) @ q_t + self.eps  # [B', h, 1, N]
-        weight = self.dwc.weight.repeat(h, 1, 1, 1)
-        bias = None if self.dwc.bias is None else self.dwc.bias.repeat(h)
-        dwc = F.conv2d(v.permute(1, 2, 0).reshape(-1, c, wh, ww), weight, bias,
-                       padding=self.dwc.padding, groups=c)  # [B', C, wh, ww]
+        dwc = self._tiled_dwc(v.permute(1, 2, 0).reshape(-1, c, wh, ww))  # [B', C, wh, ww]
         out = num / den + dwc.reshape(-1, h, d, n)
         return out.reshape(-1, c, n).transpose(1, 2)
+
+    def _tiled_dwc(self, v_map: Tensor) -> Tensor:
+        """The DWC shared by all heads as one depth-wise conv over all ``C`` channels (its
+        weights tiled over the heads), in ``v_map``'s dtype: ``[B', C, wh, ww]`` -> same."""
+        h, dtype = self.num_heads, v_map.dtype
+        weight = self.dwc.weight.repeat(h, 1, 1, 1).to(dtype)
+        bias = None if self.dwc.bias is None else self.dwc.bias.repeat(h).to(dtype)
+        return F.conv2d(v_map, weight, bias, padding=self.dwc.padding, groups=v_map.shape[1])
 
     def qkv_parts(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """:meth:`WindowKernelBase.qkv_parts` with ``q`` after its ReLU feature map: graphs

@@ -304,6 +304,7 @@ class ShiftWindowAttention(nn.Module):
         # the map does not fill, the padded frame, is computed but never read: see
         # _axis_window_classes), so graphs need neither V's zero row nor the key mask there.
         masked = self.shift_size != 0
+        pad_key = 'gather_or_pad' if masked else 'gather_any'
         if graph:
             # q, k, v projected on the tokens, V with a zero row for padded slots (see
             # _gather_masked_parts), each group gathered from them: no Slice copies a
@@ -316,7 +317,6 @@ class ShiftWindowAttention(nn.Module):
         outs, tokens = [], None
         for group in compact['groups']:
             n = group['hw'][0] * group['hw'][1]
-            pad_key = 'gather_or_pad' if masked else 'gather_any'
             valid = group['valid'] if masked or not graph else None
             if token_major:
                 # (one image: a batch of several fails on the reshape to `count` windows)
