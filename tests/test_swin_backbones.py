@@ -1,4 +1,5 @@
 """The configurable Swin: mmdet equivalence, presets, freezing, and exact re-parameterization."""
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -181,3 +182,23 @@ def test_registering_a_taken_name_is_an_error():
         register_model('RepBN')(type('Clash2', (nn.Module, ), {}))
     with pytest.raises(KeyError, match='already taken'):
         register_model('LN')(type('Clash3', (nn.Module, ), {}))
+
+
+@pytest.mark.parametrize('name', ['SLABSwin', 'RePaSwin'])
+def test_fused_backbone_takes_a_non_contiguous_image(name):
+    """A channels-last or transposed image (numpy's HWC -> CHW without a copy) gives the same
+    outputs as its contiguous copy, unfused and fused (patch merging once failed on a view)."""
+    torch.manual_seed(0)
+    model = build_preset(name).eval()
+    model.init_weights()
+    # [1, 3, 45, 70] as numpy gives an HWC image transposed: strides (1, 1, 210, 3)
+    x = torch.from_numpy(np.random.RandomState(0).randn(45, 70, 3).astype(np.float32)
+                         .transpose(2, 0, 1)[None])
+    for fused in (False, True):
+        if fused:
+            mmslab.reparameterize(model)
+        with torch.no_grad():
+            ref = model(x.contiguous())
+            for image in (x, x.contiguous(memory_format=torch.channels_last)):
+                for r, o in zip(ref, model(image)):
+                    assert rel_err(o, r) < 1e-5

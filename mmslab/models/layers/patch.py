@@ -174,10 +174,11 @@ class PatchMerging(_NormFoldingLayer):
             h2, w2 = x.shape[1] // 2, x.shape[2] // 2
             if offset_major:
                 # [B, h2, 2, w2, 2*C] -> [B, h2, w2, 2, 2*C]: offset-major, moves whole tokens.
-                x = x.view(b, h2, 2, w2, 2 * c).transpose(2, 3).reshape(b, h2 * w2, 4 * c)
+                # (reshape: a channels-last input reaches here as a strided view)
+                x = x.reshape(b, h2, 2, w2, 2 * c).transpose(2, 3).reshape(b, h2 * w2, 4 * c)
             else:
                 # [B, h2, 2, w2, 2, C] -> [B, h2, w2, C, 2, 2]: unfold's channel-major order.
-                x = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 5, 2, 4).reshape(
+                x = x.reshape(b, h2, 2, w2, 2, c).permute(0, 1, 3, 5, 2, 4).reshape(
                     b, h2 * w2, 4 * c)
         if offset_major:
             if isinstance(self.norm, nn.LayerNorm):
