@@ -849,7 +849,7 @@ def test_onnxruntime_int8_adds_the_bias_in_the_integer_matmul(tmp_path, monkeypa
     # the quantized input of each fused layer is not dequantized for nothing
     read = {i for n in graph.node for i in n.input}
     assert all(n.output[0] in read for n in graph.node if n.op_type == 'DequantizeLinear')
-    monkeypatch.setattr(quantize, 'fuse_integer_matmul_bias', lambda path: 0)
+    monkeypatch.setattr(quantize, 'fuse_integer_matmul_bias', lambda model: 0)
     graph, plain_out, _ = run('plain.onnx')
     assert not any(n.op_type == 'MatMulIntegerToFloat' for n in graph.node)
     np.testing.assert_allclose(fused_out, plain_out, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
@@ -868,13 +868,59 @@ def test_onnxruntime_int8_residual_reads_the_float_stream(tmp_path, monkeypatch)
     assert adds and all(producer[i].op_type != 'DequantizeLinear' for n in adds
                         for i in n.input if i in producer)
     assert not any(n.op_type == 'DequantizeLinear' for n in graph.node)
-    monkeypatch.setattr(quantize, 'read_float_where_float', lambda path: 0)
+    monkeypatch.setattr(quantize, 'read_float_where_float', lambda model: 0)
     graph, rounded_out, _ = run('rounded_residual.onnx')
     producer = {o: n for n in graph.node for o in n.output}
     assert any(producer[i].op_type == 'DequantizeLinear' for n in graph.node
                if n.op_type == 'Add' for i in n.input if i in producer)
     assert relative_rms(out, ref) < relative_rms(rounded_out, ref) < 0.02
 
+
+
+def test_onnxruntime_int8_moves_windows_as_8_bit_data(tmp_path, monkeypatch):
+    """A tiny fused Swin (padded, shifted windows) quantized for onnxruntime: the window
+    partition (append the padded token, gather) and the way back (heads to channels, token
+    order) move 8-bit values, the quantizer reading the unpadded tokens; the outputs are
+    bit-identical to onnxruntime's own placement of the same quantization (rounding commutes
+    with moving values), on inputs of two other sizes too."""
+    import onnx
+    import onnxruntime as ort
+    import mmslab
+    from mmslab.deploy import quantize
+    from mmslab.deploy.onnx_export import export_onnx
+    from presets import build_swin
+    torch.manual_seed(0)
+    model = mmslab.reparameterize(build_swin('ReparamSwinTransformer', depths=(2, 2, 2, 2)).eval())
+    path = str(tmp_path / 'swin.onnx')
+    export_onnx(model, 'backbone', (40, 56), path, dynamic=True)  # 10x14 tokens: padded
+    calib = [np.random.RandomState(i).randn(1, 3, 40, 56).astype(np.float32) for i in range(3)]
+    images = [np.random.RandomState(9).randn(1, 3, *hw).astype(np.float32)
+              for hw in ((40, 56), (52, 36), (64, 64))]
+
+    def run(name):
+        q = quantize.quantize_onnxruntime(path, str(tmp_path / name), calib)
+        sess = ort.InferenceSession(q, providers=['CPUExecutionProvider'])
+        return onnx.load(q).graph, [sess.run(None, {'image': x}) for x in images]
+
+    graph, moved = run('moved.onnx')
+    producer = {o: n for n in graph.node for o in n.output}
+    elem = {v.name: v.type.tensor_type.elem_type for v in onnx.shape_inference.infer_shapes(
+        onnx.load(str(tmp_path / 'moved.onnx'))).graph.value_info}
+    quantized_from = [producer[n.input[0]].op_type for n in graph.node
+                      if n.op_type == 'QuantizeLinear' and n.input[0] in producer]
+    assert not set(quantized_from) & set(quantize.MOVE_OPS)
+    u8 = onnx.TensorProto.UINT8
+    gathers = [n for n in graph.node if n.op_type == 'Gather' and elem.get(n.output[0]) == u8]
+    # each of the 8 blocks gathers its windows and its tokens back as 8-bit values
+    assert len(gathers) >= 16
+    monkeypatch.setattr(quantize, 'quantize_before_moves', lambda model: 0)
+    graph, placed = run('placed.onnx')
+    producer = {o: n for n in graph.node for o in n.output}
+    assert any(producer[n.input[0]].op_type == 'Gather' for n in graph.node
+               if n.op_type == 'QuantizeLinear' and n.input[0] in producer)
+    for a, b in zip(moved, placed):
+        for x, y in zip(a, b):
+            assert np.array_equal(x, y)
 
 def test_crop_size():
     from mmslab.engine.hooks.runtime_backend_hook import _crop_size

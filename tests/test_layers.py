@@ -461,6 +461,38 @@ def test_shift_mask_leaves_no_denormal_probabilities(traced_sizes):
     assert (mask.diagonal(dim1=1, dim2=2) == 0).all()
 
 
+def swin_img_mask(hp, wp, wh, ww, s):
+    """Swin's shift mask as mmdet's ``ShiftWindowMSA`` builds it: regions of the padded map
+    by slices, window partition, -100 between regions (here 1 for 'masked')."""
+    img = torch.zeros(hp, wp)
+    count = 0
+    for hs in (slice(0, -wh), slice(-wh, -s), slice(-s, None)):
+        for ws in (slice(0, -ww), slice(-ww, -s), slice(-s, None)):
+            img[hs, ws] = count
+            count += 1
+    windows = img.view(hp // wh, wh, wp // ww, ww).transpose(1, 2).reshape(-1, wh * ww)
+    return (windows.unsqueeze(1) - windows.unsqueeze(2) != 0).float()
+
+
+@pytest.mark.parametrize('sizes', [(14, 21, 7, 7, 3), (7, 7, 7, 7, 3), (28, 7, 7, 7, 3),
+                                   (12, 8, 4, 4, 2), (18, 20, 6, 5, 2)])
+def test_shift_mask_by_window_kind_is_swins_mask(sizes):
+    """Graphs with a free size gather the shift mask from four per-kind masks (interior, last
+    column, last row, corner windows): the same masks as Swin's region construction at every
+    padded size, from traced map sizes, and the constant mask of Python int sizes too."""
+    from mmslab.models.layers.shift_mask import (SHIFT_MASK_FILL, shift_mask_by_type,
+                                                 shift_window_mask)
+    hp, wp, wh, ww, s = sizes
+    ref = swin_img_mask(hp, wp, wh, ww, s) * SHIFT_MASK_FILL
+    by_type = shift_mask_by_type(torch.tensor(hp), torch.tensor(wp), wh, ww, s)
+    assert by_type.num_windows == (hp // wh) * (wp // ww)
+    assert torch.equal(by_type.dense(), ref)
+    assert torch.equal(shift_window_mask(torch.tensor(hp), torch.tensor(wp), wh, ww, s), ref)
+    assert torch.equal(shift_window_mask(hp, wp, wh, ww, s), ref)
+    with pytest.raises(ValueError, match='shift'):
+        shift_mask_by_type(hp, wp, wh, ww, min(wh, ww))
+
+
 @pytest.mark.parametrize('shift', [False, True])
 def test_window_msa_matches_explicit_softmax_with_shift_mask(shift):
     torch.manual_seed(6)

@@ -10,6 +10,8 @@ from torch import Tensor
 from .builder import build_window_attention
 from .export_mode import (compiling, exporting, head_layout_setting, linear_attention_form,
                           split_layout_token, symbolic_shapes_enabled)
+from .shift_mask import (SHIFT_MASK_FILL, shift_mask_by_type,  # noqa: F401 (re-exported)
+                         shift_window_mask)
 from .symbolic import Size, as_size, ceil_div, graph_size, size_max
 
 
@@ -26,49 +28,6 @@ def window_partition(x: Tensor, wh: int, ww: int) -> Tensor:
     b, h, w, c = x.shape
     x = x.view(b, h // wh, wh, w // ww, ww, c).transpose(2, 3)
     return x.reshape(-1, wh * ww, c)
-
-
-#: Additive shift-mask value between regions. Swin's (mmdet's) -100 leaves the masked
-#: softmax probabilities near exp(-100) ~ 4e-44, denormal floats, which x86 CPUs process
-#: many times slower: onnxruntime's product of those probabilities with V took 4-8 ms in
-#: every shifted block where the unshifted one took 0.3-1.2 ms (Swin-T INT8, 512x512).
-#: At -1e4 they are exactly 0, which -100's are to float precision (the same outputs);
-#: fp16 holds it.
-SHIFT_MASK_FILL = -1e4
-
-
-def shift_window_mask(hp: Size, wp: Size, wh: Size, ww: Size, s: Size,
-                      device=None) -> Tensor:
-    """``[nW, N, N]`` additive mask (0 / :data:`SHIFT_MASK_FILL`) that keeps the regions a
-    cyclic shift by ``s`` wrapped around a padded ``hp x wp`` map from attending to each
-    other (Swin's ``img_mask``), windows row-major.
-
-    Python int sizes give a constant built in numpy, so an exported graph holds it as one
-    initializer; traced (tensor) sizes and ``torch.compile`` give the same formula as graph
-    operations, for graphs that serve any size.
-    """
-    # (dynamo reports its symbolic sizes as ints: under torch.compile, always graph ops)
-    static = not compiling() and all(isinstance(v, int) for v in (hp, wp, wh, ww, s))
-    if static:
-        row, col = np.arange(hp).reshape(-1, 1), np.arange(wp).reshape(1, -1)
-    else:
-        row = torch.arange(hp, device=device).view(-1, 1)
-        col = torch.arange(wp, device=device).view(1, -1)
-    def count(*conditions):  # how many hold, as integers (numpy or torch)
-        return sum(c.astype(np.int64) if static else c.long() for c in conditions)
-
-    # region of a padded coordinate: 0 before the last window, 1 in it before the wrapped
-    # strip, 2 in the strip; rows and columns combined as 3 * row region + column region
-    region = (count(row >= hp - wh, row >= hp - s) * 3 +
-              count(col >= wp - ww, col >= wp - s))  # [hp, wp]
-    region = region.reshape(hp // wh, wh, wp // ww, ww).swapaxes(1, 2).reshape(-1, wh * ww)
-    if static:
-        diff = region[:, None, :] != region[:, :, None]
-        return torch.from_numpy(np.where(diff, SHIFT_MASK_FILL, 0.0).astype(np.float32)).to(
-            device)
-    return torch.where(region.unsqueeze(1) != region.unsqueeze(2),
-                       torch.tensor(SHIFT_MASK_FILL, device=device),
-                       torch.tensor(0.0, device=device))
 
 
 def _axis_window_extents(size: int, win: int, shift: int) -> list:
@@ -379,7 +338,8 @@ class ShiftWindowAttention(nn.Module):
         slot = ((r // wh) * nww + q // ww) * n + (r % wh) * ww + q % ww
         shift_mask = None
         if self.shift_size and kernel.uses_shift_mask:
-            shift_mask = shift_window_mask(hp, wp, wh, ww, s, dev).to(x.dtype)
+            # window and shift are ints here (only kernels that mask padding resize windows)
+            shift_mask = shift_mask_by_type(hp, wp, wh, ww, s, x.dtype, dev)
         # (whether any slot is padded is not known in the graph: taken as padded)
         return dict(wh=wh, ww=ww, num_windows=nwh * nww, identity=False, padded=True,
                     gather=None,

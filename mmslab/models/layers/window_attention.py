@@ -21,6 +21,7 @@ from torch import Tensor
 from mmslab.registry import register_model
 from .affine import fold_affine_into_next_linear
 from .reparameterizable import Reparameterizable
+from .shift_mask import ShiftMaskByType
 from .export_mode import (ATTENTION_LAYOUTS, check_attention_layout,  # noqa: F401 (re-exported)
                           compiling, export_mode, exporting, head_layout_setting,
                           linear_attention_form,
@@ -249,9 +250,13 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
         self.register_buffer('relative_position_bias', bias)
         self._mask_cache = {}
 
-    def _bias(self, shift_mask: Optional[Tensor], dtype: torch.dtype) -> Tensor:
-        """``[1 | nW, heads, N, N]``: the position bias (+ each window's shift mask)."""
+    def _bias(self, shift_mask, dtype: torch.dtype) -> Tensor:
+        """``[1 | nW, heads, N, N]``: the position bias (+ each window's shift mask, a
+        ``[nW, N, N]`` tensor or a :class:`~mmslab.models.layers.shift_mask.ShiftMaskByType`,
+        whose four kinds of window take bias + mask in one gather)."""
         bias = self.position_bias().to(dtype).unsqueeze(0)
+        if isinstance(shift_mask, ShiftMaskByType):
+            return shift_mask.gather(bias + shift_mask.table.to(dtype).unsqueeze(1))
         if shift_mask is not None:
             bias = bias + shift_mask.to(dtype).unsqueeze(1)
         return bias
@@ -316,7 +321,7 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
         if shift_mask is None:
             attn = attn + bias[0]
         else:
-            attn = (attn.reshape(-1, shift_mask.shape[0], self.num_heads, n, n) + bias)
+            attn = (attn.reshape(-1, bias.shape[0], self.num_heads, n, n) + bias)
             attn = attn.reshape(-1, self.num_heads, n, n)
         return (attn.softmax(dim=-1) @ v).transpose(1, 2)
 

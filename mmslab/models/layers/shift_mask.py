@@ -1,0 +1,133 @@
+"""The shift mask of Swin's shifted windows: which tokens of a window may attend to which.
+
+A cyclic shift by ``s`` wraps the bottom and right strips of the padded map into the last
+window row and column, so tokens that were not neighbours share those windows; an additive
+mask keeps them apart. Only the last window row and column hold wrapped strips, so there are
+four kinds of window (:data:`WINDOW_TYPES`): interior, last column, last row, corner; each
+kind has one ``[N, N]`` mask that does not depend on the map size (:func:`shift_mask_table`).
+
+:func:`shift_window_mask` gives the ``[nW, N, N]`` mask as Swin (mmdet's ``img_mask``) builds
+it; graphs with a free size get it as a gather of the four masks by window kind
+(:class:`ShiftMaskByType`), not as comparisons over every pair of tokens.
+"""
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .export_mode import compiling
+from .symbolic import Size
+
+#: Additive shift-mask value between regions. Swin's (mmdet's) -100 leaves the masked
+#: softmax probabilities near exp(-100) ~ 4e-44, denormal floats, which x86 CPUs process
+#: many times slower: onnxruntime's product of those probabilities with V took 4-8 ms in
+#: every shifted block where the unshifted one took 0.3-1.2 ms (Swin-T INT8, 512x512).
+#: At -1e4 they are exactly 0, which -100's are to float precision (the same outputs);
+#: fp16 holds it.
+SHIFT_MASK_FILL = -1e4
+
+#: Window kinds, as the index of :func:`shift_mask_table`: 2 * (in the last window row) +
+#: (in the last window column).
+WINDOW_TYPES = ('interior', 'last column', 'last row', 'corner')
+
+
+def _regions(last: bool, win: int, s: int) -> np.ndarray:
+    """Region (0, 1, 2 as in Swin's ``img_mask`` slices) of each offset of a window along
+    one axis: 0 before the last window; in the last one 1 before the wrapped strip, 2 in it."""
+    offsets = np.arange(win)
+    return 1 + (offsets >= win - s) if last else np.zeros(win, dtype=np.int64)
+
+
+def shift_mask_table(wh: int, ww: int, s: int) -> np.ndarray:
+    """``[4, N, N]`` float32 additive masks (0 / :data:`SHIFT_MASK_FILL`) of the window kinds
+    of :data:`WINDOW_TYPES`, tokens row-major in the ``wh x ww`` window, shift ``s``."""
+    if not 0 <= s < min(wh, ww):
+        raise ValueError(f'shift {s} must lie in [0, {min(wh, ww)}) for a {wh}x{ww} window')
+    table = []
+    for kind in range(len(WINDOW_TYPES)):
+        rows, cols = _regions(kind >= 2, wh, s), _regions(kind % 2 == 1, ww, s)
+        region = (rows[:, None] * 3 + cols[None, :]).reshape(-1)
+        table.append(np.where(region[:, None] != region[None, :], SHIFT_MASK_FILL, 0.0))
+    return np.stack(table).astype(np.float32)
+
+
+def window_types(nwh: Size, nww: Size, device=None) -> Tensor:
+    """``[nWh * nWw]`` int64 kind (:data:`WINDOW_TYPES`) of every window, row-major; sizes
+    may be traced tensors or dynamo's symbolic ints."""
+    last_row = (torch.arange(nwh, device=device) == nwh - 1).long().view(-1, 1)
+    last_col = (torch.arange(nww, device=device) == nww - 1).long().view(1, -1)
+    return (last_row * 2 + last_col).reshape(-1)
+
+
+class ShiftMaskByType(NamedTuple):
+    """The ``[nW, N, N]`` shift mask as ``table[window_type]``: ``table`` ``[4, N, N]``
+    (:func:`shift_mask_table`, a constant of the window and shift) and ``window_type``
+    ``[nW]`` (:func:`window_types`, computed from the runtime size).
+
+    What graphs with a free input size carry: a kernel adds its own per-kind terms before
+    the gather (:meth:`~mmslab.models.layers.window_attention.WindowMSA` gathers position
+    bias + mask per kind), so the graph holds one gather where the mask built from token
+    regions took a comparison and a select over ``nW * N * N`` elements and one more pass to
+    add the bias (onnxruntime, Swin-T at 512x512, stage 1: 2.8 ms of a shifted block's
+    15 ms)."""
+    table: Tensor
+    window_type: Tensor
+
+    @property
+    def num_windows(self):
+        return self.window_type.shape[0]
+
+    def dense(self) -> Tensor:
+        """``[nW, N, N]``."""
+        return self.table.index_select(0, self.window_type)
+
+    def gather(self, per_type: Tensor) -> Tensor:
+        """``per_type`` ``[4, ...]`` (terms of each window kind) -> ``[nW, ...]``."""
+        return per_type.index_select(0, self.window_type)
+
+
+def shift_mask_by_type(hp: Size, wp: Size, wh: int, ww: int, s: int, dtype=torch.float32,
+                       device=None) -> ShiftMaskByType:
+    """:func:`shift_window_mask` of a ``hp x wp`` padded map (multiples of the window; sizes
+    may be traced) as a :class:`ShiftMaskByType`; window and shift are Python ints."""
+    table = torch.from_numpy(shift_mask_table(wh, ww, s)).to(device=device, dtype=dtype)
+    return ShiftMaskByType(table, window_types(hp // wh, wp // ww, device))
+
+
+def shift_window_mask(hp: Size, wp: Size, wh: Size, ww: Size, s: Size,
+                      device=None) -> Tensor:
+    """``[nW, N, N]`` additive mask (0 / :data:`SHIFT_MASK_FILL`) that keeps the regions a
+    cyclic shift by ``s`` wrapped around a padded ``hp x wp`` map from attending to each
+    other (Swin's ``img_mask``), windows row-major.
+
+    Python int sizes give a constant built in numpy, so an exported graph holds it as one
+    initializer; traced (tensor) map sizes and ``torch.compile`` give a graph that gathers
+    the masks of the window kinds (:class:`ShiftMaskByType`); traced window sizes, Swin's
+    formula as graph operations.
+    """
+    # (dynamo reports its symbolic sizes as ints: under torch.compile, always graph ops)
+    static = not compiling() and all(isinstance(v, int) for v in (hp, wp, wh, ww, s))
+    if static:
+        row, col = np.arange(hp).reshape(-1, 1), np.arange(wp).reshape(1, -1)
+    elif all(isinstance(v, int) for v in (wh, ww, s)):
+        return shift_mask_by_type(hp, wp, wh, ww, s, device=device).dense()
+    else:
+        row = torch.arange(hp, device=device).view(-1, 1)
+        col = torch.arange(wp, device=device).view(1, -1)
+
+    def count(*conditions):  # how many hold, as integers (numpy or torch)
+        return sum(c.astype(np.int64) if static else c.long() for c in conditions)
+
+    # region of a padded coordinate: 0 before the last window, 1 in it before the wrapped
+    # strip, 2 in the strip; rows and columns combined as 3 * row region + column region
+    region = (count(row >= hp - wh, row >= hp - s) * 3 +
+              count(col >= wp - ww, col >= wp - s))  # [hp, wp]
+    region = region.reshape(hp // wh, wh, wp // ww, ww).swapaxes(1, 2).reshape(-1, wh * ww)
+    if static:
+        diff = region[:, None, :] != region[:, :, None]
+        return torch.from_numpy(np.where(diff, SHIFT_MASK_FILL, 0.0).astype(np.float32)).to(
+            device)
+    return torch.where(region.unsqueeze(1) != region.unsqueeze(2),
+                       torch.tensor(SHIFT_MASK_FILL, device=device),
+                       torch.tensor(0.0, device=device))
