@@ -2,7 +2,7 @@
 interleaved in one run, for backbones and for whole models.
 
     python benchmarks/deploy_speed.py [--shapes 512x512 800x1344] [--repeat 3] [--threads 2]
-        [--models ...] [--runtimes ...] [--maskrcnn [800x1216]] [--upernet [512x2048]]
+        [--burst 1] [--models ...] [--runtimes ...] [--maskrcnn [800x1216]] [--upernet [512x2048]]
         [--export static|dynamic|both] --out work_dirs/deploy_speed
 
 Kinds of case:
@@ -29,6 +29,11 @@ tools/test.py --backend ... --int8). Each runtime's graph has its own head layou
 (``export_runtime_graphs``; recorded under ``runtime_head_layouts``, and in each runtime
 row's ``graph`` with SLA's product forms), and onnxruntime
 sessions flush denormal floats on every thread, as the runtime layer opens them. Batch 1.
+
+Forms are interleaved round by round. With ``--burst 1`` (the default) each timed call comes
+right after other forms' calls (their data in the caches, their runtimes' threads just
+stopped); ``--burst N`` times the last of N back-to-back calls of a form, a model serving a
+stream of images. Models with more, smaller passes (SLA's graphs) lose more to the first.
 Prints a table and the targets, writes ``deploy_speed.json`` and ``deploy_speed.png``; the
 JSON records the CPU, ISA and BLAS.
 """
@@ -285,6 +290,10 @@ def main(argv=None):
                    '(refused on CPUs without avx512_bf16 / amx_bf16)')
     p.add_argument('--repeat', type=int, default=3)
     p.add_argument('--warmup', type=int, default=1)
+    p.add_argument('--burst', type=int, default=1,
+                   help='calls of a form per round, the last one timed (1: each timed '
+                        'call follows other models\' calls, caches cold; more: the '
+                        'steady state of a model serving a stream)')
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--calib-images', type=int, default=4)
     p.add_argument('--maskrcnn', nargs='?', const='800x1216', metavar='HxW',
@@ -308,7 +317,9 @@ def main(argv=None):
         report = measure_all(args, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f'\nmachine: {machine_line(report["machine"])}')
+    burst = 'each timed call after other models\' calls' if args.burst == 1 else \
+        f'each timed call after {args.burst - 1} untimed calls of the same form'
+    print(f'\nmachine: {machine_line(report["machine"])}; {burst}')
     for c in report['targets']:
         verdict = '' if c['target'] is None else \
             f" (target >= {c['target']:.2f}: {c['verdict']})"
@@ -330,7 +341,7 @@ def measure_all(args, tmp) -> dict:
     long run that fails late keeps the cases it finished."""
     rows, checks = [], []
     report = dict(machine=machine_info(), threads=args.threads, repeat=args.repeat,
-                  warmup=args.warmup, calib_images=args.calib_images, rows=rows,
+                  warmup=args.warmup, burst=args.burst, calib_images=args.calib_images, rows=rows,
                   targets=checks)
     cases = [(s, 'backbone') for s in args.shapes]
     if args.maskrcnn:
@@ -384,7 +395,8 @@ def measure_case(args, tmp, shape_text: str, kind: str, rows: list) -> dict:
                                     if rt.startswith(RUNTIME_PREFIXES[r])), None)
     bar = ProgressBar(len(fns) * args.repeat)
     keyed = {f'{n} | {r}': f for (n, r), f in fns.items()}
-    times = measure_interleaved(keyed, args.repeat, args.warmup, bar.update)
+    times = measure_interleaved(keyed, args.repeat, args.warmup, bar.update,
+                                burst=args.burst)
     print()
     res = {}
     for key, ms in times.items():

@@ -272,6 +272,24 @@ def test_measure_interleaved_times_on_the_given_device(monkeypatch):
     assert devices == ['cuda:0'] * 4
 
 
+def test_measure_interleaved_bursts_time_the_last_call_of_each():
+    """``burst=3``: per round each form runs twice untimed, then once timed, back to back;
+    rounds still rotate the order."""
+    import itertools
+    import mmslab.utils.timing as timing
+    calls, clock = [], itertools.count()
+
+    def form(name):
+        return lambda: calls.append((name, next(clock)))
+
+    times = timing.measure_interleaved({'a': form('a'), 'b': form('b')}, repeat=2, warmup=0,
+                                      burst=3)
+    assert [c[0] for c in calls] == list('aaabbb' 'bbbaaa')
+    assert {k: len(v) for k, v in times.items()} == {'a': 2, 'b': 2}
+    with pytest.raises(ValueError, match='burst'):
+        timing.measure_interleaved({'a': form('a')}, repeat=1, warmup=0, burst=0)
+
+
 def test_backbone_speed_groups_precisions_and_batch_sizes(tmp_path, monkeypatch):
     from mmslab.utils import machine
     from mmslab.models import RePaSwin

@@ -129,13 +129,20 @@ def timing_method(device: DeviceLike) -> str:
 
 def measure_interleaved(fns: Dict[Hashable, Callable[[], object]], repeat: int, warmup: int,
                         progress: Optional[Callable[[], None]] = None,
-                        device: DeviceLike = None) -> Dict[Hashable, List[float]]:
+                        device: DeviceLike = None, burst: int = 1) -> Dict[Hashable, List[float]]:
     """Run each callable ``warmup`` times, then ``repeat`` rounds in rotating order.
 
     Interleaving spreads the machine's noise (other processes, frequency changes, GPU clocks)
     over all variants instead of biasing whichever ran first. Returns milliseconds per call,
     timed by :func:`mmslab.utils.timing.timed_ms` on ``device`` (CUDA events on a GPU).
+
+    ``burst``: in each round a callable runs ``burst - 1`` untimed calls right before its
+    timed one. With 1, every timed call follows the other variants' calls (caches, and the
+    runtimes' thread pools, left by another model); with more, it is the steady state of a
+    model that serves a stream of inputs, still interleaved round by round.
     """
+    if burst < 1:
+        raise ValueError(f'burst={burst}: must be >= 1 (1: no untimed calls before each)')
     names = list(fns)
     times = {n: [] for n in names}
     with torch.inference_mode():
@@ -145,6 +152,8 @@ def measure_interleaved(fns: Dict[Hashable, Callable[[], object]], repeat: int, 
         for r in range(repeat):
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
+                for _ in range(burst - 1):
+                    fns[n]()
                 times[n].append(timed_ms(fns[n], device)[1])
                 if progress is not None:
                     progress()
