@@ -446,8 +446,8 @@ def test_shift_mask_leaves_no_denormal_probabilities(traced_sizes):
     exp(-100) ~ 4e-44), for the constant mask and the one computed in a graph."""
     from mmslab.models.layers.shift_window import shift_window_mask
     sizes = (21, 14, 7, 7, 3)
-    if traced_sizes:
-        sizes = tuple(torch.tensor(v) for v in sizes)
+    if traced_sizes:  # the map's size (window and shift are constants of the model)
+        sizes = (torch.tensor(21), torch.tensor(14)) + sizes[2:]
     mask = shift_window_mask(*sizes)  # [nW, N, N]
     assert mask.shape == (6, 49, 49) and (mask < 0).any()
     torch.manual_seed(0)
@@ -491,6 +491,8 @@ def test_shift_mask_by_window_kind_is_swins_mask(sizes):
     assert torch.equal(shift_window_mask(hp, wp, wh, ww, s), ref)
     with pytest.raises(ValueError, match='shift'):
         shift_mask_by_type(hp, wp, wh, ww, min(wh, ww))
+    with pytest.raises(TypeError, match='Python ints'):
+        shift_window_mask(hp, wp, torch.tensor(wh), ww, s)
 
 
 @pytest.mark.parametrize('shift', [False, True])

@@ -6,9 +6,9 @@ mask keeps them apart. Only the last window row and column hold wrapped strips, 
 four kinds of window (:data:`WINDOW_TYPES`): interior, last column, last row, corner; each
 kind has one ``[N, N]`` mask that does not depend on the map size (:func:`shift_mask_table`).
 
-:func:`shift_window_mask` gives the ``[nW, N, N]`` mask as Swin (mmdet's ``img_mask``) builds
-it; graphs with a free size get it as a gather of the four masks by window kind
-(:class:`ShiftMaskByType`), not as comparisons over every pair of tokens.
+:func:`shift_window_mask` gives the ``[nW, N, N]`` mask of Swin (mmdet's ``img_mask``) from
+them; graphs with a free size gather the four masks by window kind (:class:`ShiftMaskByType`)
+rather than compare every pair of tokens.
 """
 from typing import NamedTuple
 
@@ -95,39 +95,22 @@ def shift_mask_by_type(hp: Size, wp: Size, wh: int, ww: int, s: int, dtype=torch
     return ShiftMaskByType(table, window_types(hp // wh, wp // ww, device))
 
 
-def shift_window_mask(hp: Size, wp: Size, wh: Size, ww: Size, s: Size,
-                      device=None) -> Tensor:
+def shift_window_mask(hp: Size, wp: Size, wh: int, ww: int, s: int, device=None) -> Tensor:
     """``[nW, N, N]`` additive mask (0 / :data:`SHIFT_MASK_FILL`) that keeps the regions a
     cyclic shift by ``s`` wrapped around a padded ``hp x wp`` map from attending to each
-    other (Swin's ``img_mask``), windows row-major.
+    other (Swin's ``img_mask``), windows row-major: each window's mask of its kind.
 
-    Python int sizes give a constant built in numpy, so an exported graph holds it as one
+    Python int map sizes give a constant built in numpy, so an exported graph holds it as one
     initializer; traced (tensor) map sizes and ``torch.compile`` give a graph that gathers
-    the masks of the window kinds (:class:`ShiftMaskByType`); traced window sizes, Swin's
-    formula as graph operations.
+    the four kinds' masks (:class:`ShiftMaskByType`). Window and shift are Python ints.
     """
+    if not all(isinstance(v, int) for v in (wh, ww, s)):
+        raise TypeError(f'shift_window_mask: window ({wh}, {ww}) and shift {s} must be Python '
+                        'ints; only the map size (hp, wp) may be traced')
     # (dynamo reports its symbolic sizes as ints: under torch.compile, always graph ops)
-    static = not compiling() and all(isinstance(v, int) for v in (hp, wp, wh, ww, s))
-    if static:
-        row, col = np.arange(hp).reshape(-1, 1), np.arange(wp).reshape(1, -1)
-    elif all(isinstance(v, int) for v in (wh, ww, s)):
+    if compiling() or not (isinstance(hp, int) and isinstance(wp, int)):
         return shift_mask_by_type(hp, wp, wh, ww, s, device=device).dense()
-    else:
-        row = torch.arange(hp, device=device).view(-1, 1)
-        col = torch.arange(wp, device=device).view(1, -1)
-
-    def count(*conditions):  # how many hold, as integers (numpy or torch)
-        return sum(c.astype(np.int64) if static else c.long() for c in conditions)
-
-    # region of a padded coordinate: 0 before the last window, 1 in it before the wrapped
-    # strip, 2 in the strip; rows and columns combined as 3 * row region + column region
-    region = (count(row >= hp - wh, row >= hp - s) * 3 +
-              count(col >= wp - ww, col >= wp - s))  # [hp, wp]
-    region = region.reshape(hp // wh, wh, wp // ww, ww).swapaxes(1, 2).reshape(-1, wh * ww)
-    if static:
-        diff = region[:, None, :] != region[:, :, None]
-        return torch.from_numpy(np.where(diff, SHIFT_MASK_FILL, 0.0).astype(np.float32)).to(
-            device)
-    return torch.where(region.unsqueeze(1) != region.unsqueeze(2),
-                       torch.tensor(SHIFT_MASK_FILL, device=device),
-                       torch.tensor(0.0, device=device))
+    nwh, nww = hp // wh, wp // ww
+    # window_types in numpy: 2 * (last window row) + (last window column)
+    kind = 2 * (np.arange(nwh) == nwh - 1)[:, None] + (np.arange(nww) == nww - 1)[None, :]
+    return torch.from_numpy(shift_mask_table(wh, ww, s)[kind.reshape(-1)]).to(device)
