@@ -309,6 +309,8 @@ def main(argv=None):
     add_allocator_argument(p)
     p.add_argument('--out', default='work_dirs/deploy_speed')
     args = p.parse_args(argv)
+    if args.burst < 1:  # before minutes of exports, not after them
+        p.error(f'--burst {args.burst}: must be >= 1 (1: each timed call after other models\')')
     set_allocator_mode(args.malloc)
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)

@@ -290,6 +290,14 @@ def test_measure_interleaved_bursts_time_the_last_call_of_each():
         timing.measure_interleaved({'a': form('a')}, repeat=1, warmup=0, burst=0)
 
 
+def test_deploy_speed_refuses_a_bad_burst_before_exporting(capsys, monkeypatch):
+    deploy_speed = load_script('benchmarks/deploy_speed.py')
+    monkeypatch.setattr(deploy_speed, 'measure_all', lambda *a: pytest.fail('measured'))
+    with pytest.raises(SystemExit):
+        deploy_speed.main(['--shapes', '64x64', '--burst', '0'])
+    assert '--burst 0: must be >= 1' in capsys.readouterr().err
+
+
 def test_backbone_speed_groups_precisions_and_batch_sizes(tmp_path, monkeypatch):
     from mmslab.utils import machine
     from mmslab.models import RePaSwin
