@@ -27,6 +27,7 @@ import mmslab
 from mmslab.benchmark import (add_device_arguments, autocast_call, check_device_arguments,
                               first_call_timed, measure_interleaved, move_to, parse_shape,
                               summarize)
+from mmslab.models.layers.shift_window import masked_windows_choices
 from mmslab.models.layers.window_attention import window_softmax_choices
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
 from mmslab.utils.machine import machine_info, machine_line
@@ -149,13 +150,17 @@ def main(argv=None):
                   machine=machine_info(device), threads=args.threads, repeat=args.repeat,
                   precisions=args.precisions, batch_sizes=args.batch_size, torch=torch.__version__,
                   settings=settings, results=results, ratios=ratios,
-                  window_softmax=window_softmax_choices())
+                  window_softmax=window_softmax_choices(),
+                  masked_windows=masked_windows_choices())
     if first_calls:
         report['compile'] = first_calls
     print(f"\nmachine: {machine_line(report['machine'])}")
     for shape, choice in report['window_softmax'].items():
         print(f"  window softmax {shape}: sdpa {choice['sdpa_ms']:.2f} ms, matmul "
               f"{choice['matmul_ms']:.2f} ms -> {choice['impl']}")
+    for key, choice in report['masked_windows'].items():
+        print(f"  masked windows {key}: compact {choice['compact_ms']:.2f} ms, padded "
+              f"{choice['padded_ms']:.2f} ms -> {choice['impl']}")
     with open(osp.join(args.out, 'backbone_speed.json'), 'w') as f:
         json.dump(report, f, indent=2)
     plot(results, osp.join(args.out, 'backbone_speed.png'))

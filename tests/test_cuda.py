@@ -108,3 +108,25 @@ def test_sla_matches_the_quadratic_formula_on_cuda(form):
         ref = naive_sla(qkv[b], sla.positional_encoding[0], sla.dwc, 2, (4, 4))
         assert rel_err(out[b], ref) <= 1e-10
 
+
+
+@pytest.mark.parametrize('form', ['compact', 'padded', 'auto'])
+def test_sla_windows_of_a_padded_map_match_the_formula_on_cuda(form):
+    """Eager SLA on a map its shifted windows do not tile, in each masked-windows form (the
+    cropped groups, the padded windows, and the timed choice between them on the GPU),
+    against the padded-window formula on the CPU in float64."""
+    from test_layers import shifted_sla_reference
+    from mmslab.models.layers import ShiftWindowAttention
+    from mmslab.models.layers.export_mode import export_mode
+    torch.manual_seed(7)
+    attn = ShiftWindowAttention(16, 2, 8, shift=True, attn_type='sla').double().eval()
+    nn.init.normal_(attn.w_msa.positional_encoding, std=0.5)
+    nn.init.normal_(attn.w_msa.dwc.weight, std=0.5)
+    hw = (23, 31)
+    x = torch.randn(2, hw[0] * hw[1], 16, dtype=torch.float64)
+    ref = [shifted_sla_reference(attn, x[b], hw) for b in range(2)]
+    attn = attn.to(CUDA)
+    with torch.no_grad(), export_mode(masked_windows=form):
+        out = attn(x.to(CUDA), hw).cpu()
+    for b in range(2):
+        assert rel_err(out[b], ref[b]) <= 1e-10

@@ -353,21 +353,24 @@ def shifted_sla_reference(attn, x, hw):
 
 @pytest.mark.parametrize('form', ['heads', 'blockdiag'])
 @pytest.mark.parametrize('shift', [False, True])
-@pytest.mark.parametrize('path,window', [('eager', 8), ('graph', 8), ('graph', 7)])
+@pytest.mark.parametrize('path,window', [('compact', 8), ('padded', 8), ('graph', 8),
+                                         ('graph', 7)])
 def test_sla_windows_cropped_to_their_valid_span_match_the_padded_formula(form, shift, path,
                                                                          window):
-    """The windows of padded maps are computed cropped to their valid tokens: eager and
-    fixed-size graphs group them by span (``compact_window_groups``), free-size graphs in
-    four runtime-sized groups (``graph``: the shape-generic path tracing records, sizes as
-    tensors). Maps whose shifted windows start with padding, wrap with a padded gap between
-    their two valid parts, end in a partial window, or fit in one window along one axis;
-    odd windows (shift ``(w - 1) / 2``) too."""
+    """The windows of padded maps are computed cropped to their valid tokens: eager
+    (``compact``) and fixed-size graphs group them by span (``compact_window_groups``),
+    free-size graphs in four runtime-sized groups (``graph``: the shape-generic path tracing
+    records, sizes as tensors); or, eager, all padded windows at once with the padded slots
+    masked (``padded``). Maps whose shifted windows start with padding, wrap with a padded
+    gap between their two valid parts, end in a partial window, or fit in one window along
+    one axis; odd windows (shift ``(w - 1) / 2``) too."""
     torch.manual_seed(7)
     attn = ShiftWindowAttention(16, 2, window, shift=shift, attn_type='sla').double()
     nn.init.normal_(attn.w_msa.positional_encoding, std=0.5)
     nn.init.normal_(attn.w_msa.dwc.weight, std=0.5)
     graph = path == 'graph'
-    with export_mode(linear_attention=form, symbolic=graph):
+    with export_mode(linear_attention=form, symbolic=graph,
+                     masked_windows=None if graph else path):
         for hw in [(12, 12), (23, 31), (17, 8), (5, 30), (16, 11), (19, 6)]:
             x = torch.randn(2, hw[0] * hw[1], 16, dtype=torch.float64)
             out = attn(x, tuple(torch.tensor(v) for v in hw) if graph else hw)
@@ -375,6 +378,52 @@ def test_sla_windows_cropped_to_their_valid_span_match_the_padded_formula(form, 
                 assert rel_err(out[b], shifted_sla_reference(attn, x[b], hw)) <= 1e-10
             if not graph:
                 assert attn._layout(*hw, x.device)['compact'] is not None
+
+
+def test_masked_windows_auto_times_both_forms_once_per_shape(monkeypatch):
+    """Eager inference picks cropped groups or padded windows by timing both once per shape:
+    the faster is cached and reported, the output is the formula's either way; training
+    (gradients) and an explicit setting take their form without timing; a map the windows
+    tile has no choice to make; an unknown setting is refused by name."""
+    from mmslab.models.layers import shift_window as sw
+    torch.manual_seed(3)
+    attn = ShiftWindowAttention(16, 2, 8, shift=True, attn_type='sla').double().eval()
+    nn.init.normal_(attn.w_msa.positional_encoding, std=0.5)
+    monkeypatch.setattr(sw, '_MASKED_CHOICES', {})
+    forms = []
+    real = ShiftWindowAttention._windows_forward
+
+    def spy(self, x, lay, form):
+        forms.append(form)
+        return real(self, x, lay, form)
+    monkeypatch.setattr(ShiftWindowAttention, '_windows_forward', spy)
+    x = torch.randn(1, 12 * 20, 16, dtype=torch.float64)
+    with torch.no_grad():
+        out = attn(x, (12, 20))
+    assert rel_err(out[0], shifted_sla_reference(attn, x[0], (12, 20))) <= 1e-10
+    (key, choice), = sw.masked_windows_choices().items()
+    assert key.startswith('SLA 1x240x16 16x24 2 8 8 4 float64 cpu')
+    assert choice['impl'] in ('compact', 'padded')
+    assert (choice['impl'] == 'padded') == (
+        choice['padded_ms'] * sw.PADDED_WINDOWS_MARGIN < choice['compact_ms'])
+    timed = len(forms)
+    # each form: a warm-up + 3 timed rounds, then the chosen one computes the output
+    assert forms[:-1].count('compact') == forms[:-1].count('padded') == 4
+    assert forms[-1] == choice['impl']
+    with torch.no_grad():
+        attn(x, (12, 20))
+    assert forms[timed:] == [choice['impl']]  # cached: no second timing
+    other = 'padded' if choice['impl'] == 'compact' else 'compact'
+    with torch.no_grad(), export_mode(masked_windows=other):
+        attn(x, (12, 20))
+    attn.train()
+    attn(x.requires_grad_(), (12, 20))
+    attn(torch.randn(1, 16 * 16, 16, dtype=torch.float64, requires_grad=True), (16, 16))
+    assert forms[timed + 1:] == [other, 'compact', 'padded']  # 16x16: tiled by the windows
+    assert len(sw.masked_windows_choices()) == 1
+    with pytest.raises(ValueError, match="masked_windows='cropped'.*auto, compact, padded"):
+        with export_mode(masked_windows='cropped'):
+            pass
 
 
 @pytest.mark.parametrize('shift', [False, True])

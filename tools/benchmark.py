@@ -46,6 +46,7 @@ from mmengine.utils import ProgressBar
 
 import mmslab  # noqa: F401
 from mmslab.utils.launch import build_model_from_config
+from mmslab.models.layers.shift_window import masked_windows_choices
 from mmslab.models.layers.window_attention import window_softmax_choices
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
 from mmslab.utils.machine import machine_info, machine_line
@@ -212,7 +213,8 @@ def main(argv=None):
                   repeat=args.repeat, warmup=args.warmup, torch=torch.__version__,
                   references=references, results=results, ratios=ratios(results, name),
                   speedups=speedups(results, references),
-                  window_softmax=window_softmax_choices())
+                  window_softmax=window_softmax_choices(),
+                  masked_windows=masked_windows_choices())
     if compiled:
         report['compile'] = dict(backend=args.compile_backend, dynamic=args.compile_dynamic,
                                  first_calls=with_eager_times(compile_runs, results))

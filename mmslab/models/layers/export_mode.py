@@ -46,6 +46,15 @@ These choices change the form a layer takes (never its numbers):
   (:func:`~mmslab.models.layers.window_attention.choose_window_softmax`). The process
   default comes from the environment variable ``MMSLAB_WINDOW_SOFTMAX``, read once here at
   import; layers never read the environment.
+* ``masked_windows`` (``auto`` | ``compact`` | ``padded``): how eager inference computes the
+  windows of a kernel that masks padding (SLA, BiNorm) on a map the windows do not tile:
+  ``compact`` crops them to their valid spans, one kernel call per group of equal spans (no
+  padded slot computed: least arithmetic), ``padded`` runs every padded window in one call
+  with the padded slots masked (fewest kernel launches: what a GPU at batch 1 waits on).
+  ``auto`` times both once per shape
+  (:func:`~mmslab.models.layers.shift_window.choose_masked_windows`); training and traced
+  graphs take ``compact``. Process default: ``MMSLAB_MASKED_WINDOWS``. The same numbers
+  either way.
 
 Use :func:`export_mode` to set any of them for a ``with`` block; :func:`current_export_mode`
 reads them.
@@ -62,27 +71,32 @@ HEAD_LAYOUTS = ('window_major', 'token_major')
 RUNTIME_HEAD_LAYOUTS = dict(onnxruntime='token_major', openvino='window_major')
 LINEAR_ATTENTION_FORMS = ('auto', 'heads', 'blockdiag')
 WINDOW_SOFTMAX_CHOICES = ('auto', 'sdpa', 'matmul')
+MASKED_WINDOWS_CHOICES = ('auto', 'compact', 'padded')
 #: ``linear_attention='auto'`` takes the block-diagonal form up to this many heads.
 BLOCKDIAG_MAX_HEADS = 6
 
 
-def _checked_window_softmax(value: str, source: str) -> str:
-    if value not in WINDOW_SOFTMAX_CHOICES:
-        raise ValueError(f'{source}={value!r}; valid: {", ".join(WINDOW_SOFTMAX_CHOICES)}')
+def _checked_choice(value: str, source: str, choices=WINDOW_SOFTMAX_CHOICES) -> str:
+    if value not in choices:
+        raise ValueError(f'{source}={value!r}; valid: {", ".join(choices)}')
     return value
 
 
 _state = dict(layout='packed', head_layout='window_major', symbolic=False,
               linear_attention='auto',
-              window_softmax=_checked_window_softmax(
-                  os.environ.get('MMSLAB_WINDOW_SOFTMAX', 'auto'), 'MMSLAB_WINDOW_SOFTMAX'))
+              window_softmax=_checked_choice(
+                  os.environ.get('MMSLAB_WINDOW_SOFTMAX', 'auto'), 'MMSLAB_WINDOW_SOFTMAX'),
+              masked_windows=_checked_choice(
+                  os.environ.get('MMSLAB_MASKED_WINDOWS', 'auto'), 'MMSLAB_MASKED_WINDOWS',
+                  MASKED_WINDOWS_CHOICES))
 
 
 @contextmanager
 def export_mode(layout: Optional[str] = None, symbolic: Optional[bool] = None,
                 window_softmax: Optional[str] = None,
                 linear_attention: Optional[str] = None,
-                head_layout: Optional[str] = None) -> Iterator[None]:
+                head_layout: Optional[str] = None,
+                masked_windows: Optional[str] = None) -> Iterator[None]:
     """Set the given choices (``None`` keeps the current one) inside the ``with`` block; the
     previous ones are restored on every exit path."""
     if layout is not None:
@@ -90,13 +104,16 @@ def export_mode(layout: Optional[str] = None, symbolic: Optional[bool] = None,
     if head_layout is not None and head_layout not in HEAD_LAYOUTS:
         raise ValueError(f'unknown head layout {head_layout!r}; valid: {HEAD_LAYOUTS}')
     if window_softmax is not None:
-        _checked_window_softmax(window_softmax, 'window_softmax')
+        _checked_choice(window_softmax, 'window_softmax')
+    if masked_windows is not None:
+        _checked_choice(masked_windows, 'masked_windows', MASKED_WINDOWS_CHOICES)
     if linear_attention is not None and linear_attention not in LINEAR_ATTENTION_FORMS:
         raise ValueError(f'unknown linear attention form {linear_attention!r}; valid: '
                          f'{LINEAR_ATTENTION_FORMS}')
     changes = {k: v for k, v in dict(layout=layout, head_layout=head_layout, symbolic=symbolic,
                                      window_softmax=window_softmax,
-                                     linear_attention=linear_attention).items()
+                                     linear_attention=linear_attention,
+                                     masked_windows=masked_windows).items()
                if v is not None}
     previous = dict(_state)
     _state.update(changes)
@@ -126,6 +143,10 @@ def head_layout_setting() -> str:
 
 def window_softmax_setting() -> str:
     return _state['window_softmax']
+
+
+def masked_windows_setting() -> str:
+    return _state['masked_windows']
 
 
 def linear_attention_form(kernel, token_major: bool = False) -> str:

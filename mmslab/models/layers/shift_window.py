@@ -1,15 +1,18 @@
 """(Shifted-)window partitioning around any window attention kernel."""
+import logging
 from typing import Tuple
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from mmengine.logging import print_log
 from torch import Tensor
 
+from mmslab.utils.timing import measure_interleaved
 from .builder import build_window_attention
 from .export_mode import (compiling, exporting, head_layout_setting, linear_attention_form,
-                          split_layout_token, symbolic_shapes_enabled)
+                          masked_windows_setting, split_layout_token, symbolic_shapes_enabled)
 from .shift_mask import (SHIFT_MASK_FILL, shift_mask_by_type,  # noqa: F401 (re-exported)
                          shift_window_mask)
 from .symbolic import Size, as_size, ceil_div, graph_size, size_max
@@ -130,6 +133,57 @@ def _axis_window_classes(size: Size, win: Size, shift: Size) -> dict:
                 tail_src=(tail_pos + shift) % padded, tail_len=tail_len,
                 tail_origin=tail_start - last, tail=tail, window=window,
                 position=torch.where(tail, frame - tail_start, frame - window * win))
+
+
+_MASKED_CHOICES = {}
+#: ``auto`` takes the padded windows when they are this many times faster than the cropped
+#: groups (measured on an Intel Xeon CPU: cropped wins by 1.3-2.3x where the map is far from
+#: a multiple of the window, the two are within 5 % where it is close).
+PADDED_WINDOWS_MARGIN = 1.1
+
+
+def masked_windows_choices() -> dict:
+    """The form :func:`choose_masked_windows` took per shape so far, for benchmark reports:
+    ``{'kernel B x HxW x C heads window shift dtype device': {'impl': ..., 'compact_ms': ...,
+    'padded_ms': ...}}``."""
+    return {' '.join(map(str, k)): dict(v) for k, v in _MASKED_CHOICES.items()}
+
+
+def choose_masked_windows(attn: 'ShiftWindowAttention', x: Tensor, lay: dict) -> str:
+    """``compact`` or ``padded``: how eager ``attn`` computes the windows of a map they do not
+    tile (see ``masked_windows`` in :mod:`~mmslab.models.layers.export_mode`).
+
+    ``auto`` times both forms once per shape on these inputs (best of 3, interleaved) and
+    caches the faster (padded by a margin, :data:`PADDED_WINDOWS_MARGIN`) by (kernel, input shape, map, heads, window, shift, dtype, device): the
+    cropped groups compute fewer slots, the padded windows launch fewer kernels, and which
+    wins depends on the device and the batch. Training and traced graphs take ``compact``
+    without timing."""
+    if exporting() or compiling():
+        return 'compact'
+    setting = masked_windows_setting()
+    if setting != 'auto':
+        return setting
+    if torch.is_grad_enabled() and x.requires_grad:
+        return 'compact'
+    kernel = attn.w_msa
+    key = (type(kernel).__name__, 'x'.join(map(str, x.shape)),
+           '{}x{}'.format(*lay['cache_key'][:2]), kernel.num_heads, lay['wh'], lay['ww'],
+           attn.shift_size, str(x.dtype).replace('torch.', ''), x.device.type)
+    choice = _MASKED_CHOICES.get(key)
+    if choice is None:
+        forms = {form: (lambda form=form: attn._windows_forward(x, lay, form))
+                 for form in ('compact', 'padded')}
+        times = measure_interleaved(forms, repeat=3, warmup=1, device=x.device)
+        best = {form: min(ms) for form, ms in times.items()}
+        # padded only on a clear win: a choice that flips on noise would change the rounding
+        # of the outputs from one run to the next
+        impl = 'padded' if best['padded'] * PADDED_WINDOWS_MARGIN < best['compact'] else 'compact'
+        choice = dict(impl=impl, **{f'{form}_ms': ms for form, ms in best.items()})
+        _MASKED_CHOICES[key] = choice
+        print_log(f'masked windows {key}: compact {choice["compact_ms"]:.2f} ms, padded '
+                  f'{choice["padded_ms"]:.2f} ms -> {choice["impl"]}', logger='current',
+                  level=logging.DEBUG)
+    return choice['impl']
 
 
 class ShiftWindowAttention(nn.Module):
@@ -488,7 +542,6 @@ class ShiftWindowAttention(nn.Module):
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
         """``[B, H*W, C]`` -> ``[B, H*W, C]``."""
         kernel = self.w_msa
-        c = kernel.embed_dims
         if symbolic_shapes_enabled() and kernel.masks_padding and not compiling():
             # free-size graphs: windows cropped to runtime-sized groups (torch.compile keeps
             # _graph_layout's padded windows: group sizes taken from sizes would be
@@ -497,17 +550,28 @@ class ShiftWindowAttention(nn.Module):
             return kernel.proj_drop(kernel.proj(self._attend_compact(x, compact)))
         if symbolic_shapes_enabled():
             lay = self._graph_layout(x, hw_shape)
-            b, tokens = x.shape[0], x.shape[1]
         else:
             # Plain ints even under tracing (ONNX export): the layout and masks are constants
             # of the input size and are cached by it; traced size tensors would be hashed by id.
             h, w = int(hw_shape[0]), int(hw_shape[1])
-            b, tokens = int(x.shape[0]), int(x.shape[1])
-            if tokens != h * w:
-                raise ValueError(f'input has {tokens} tokens but hw_shape {hw_shape} has {h * w}')
+            if int(x.shape[1]) != h * w:
+                raise ValueError(f'input has {int(x.shape[1])} tokens but hw_shape {hw_shape} '
+                                 f'has {h * w}')
             lay = self._layout(h, w, x.device)
-        if lay.get('compact') is not None:
+        form = 'padded' if lay.get('compact') is None else choose_masked_windows(self, x, lay)
+        return self._windows_forward(x, lay, form)
+
+    def _windows_forward(self, x: Tensor, lay: dict, form: str) -> Tensor:
+        """The attention on the windows of ``lay`` (:meth:`_layout` or :meth:`_graph_layout`),
+        ``proj`` included: ``compact`` (the cropped groups of ``lay['compact']``) or
+        ``padded`` (every window, padded slots masked or filled)."""
+        kernel = self.w_msa
+        if form == 'compact':
             return kernel.proj_drop(kernel.proj(self._attend_compact(x, lay['compact'])))
+        c = kernel.embed_dims
+        b, tokens = x.shape[0], x.shape[1]
+        if not symbolic_shapes_enabled():
+            b, tokens = int(b), int(tokens)  # constants of a traced fixed-size graph
         nw, wh, ww = lay['num_windows'], lay['wh'], lay['ww']
         n = wh * ww
         token_pad = split_layout_token(kernel)
