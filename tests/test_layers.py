@@ -584,3 +584,35 @@ def test_tokenbn_fold():
     ref = norm(x)
     norm.switch_to_deploy()
     assert rel_err(norm(x), ref) <= 1e-12
+
+
+@pytest.mark.parametrize('name', ['SLABSwin', 'RePaSwin'])
+def test_a_model_run_in_inference_mode_trains_afterwards(name):
+    """Window layouts, SLA's head masks and tiled DWC weights are cached on first use. Made
+    under ``torch.inference_mode`` they would be inference tensors, which autograd refuses to
+    save for the backward pass: a model checked or timed that way and trained afterwards at
+    the same size failed in ``index_select``. The caches are reused (same objects), and the
+    gradients equal those of a model that never ran in inference mode."""
+    from presets import build_preset
+    torch.manual_seed(0)
+    model = build_preset(name, depths=(2, 1, 1, 1))
+    model.init_weights()
+    fresh = copy.deepcopy(model)
+    x = torch.randn(1, 3, 72, 88)
+    model.eval()
+    with torch.inference_mode():
+        model(x)
+    attns = [m for m in model.modules() if isinstance(m, ShiftWindowAttention)]
+    cached = [dict(m._cache) for m in attns]
+    assert all(cached)
+    grads = []
+    for m in (model, fresh):
+        m.train()
+        set_progressive_iter(m, 5)
+        sum(out.square().sum() for out in m(x)).backward()
+        grads.append([p.grad for p in m.parameters() if p.requires_grad])
+    assert all(m._cache[k] is c[k] for m, c in zip(attns, cached) for k in c)
+    assert [a is None for a in grads[0]] == [b is None for b in grads[1]]
+    assert sum(a is not None for a in grads[0]) > len(grads[0]) // 2
+    for a, b in zip(*grads):
+        assert a is None or rel_err(a, b) <= 1e-6

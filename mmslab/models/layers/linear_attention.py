@@ -41,6 +41,27 @@ def _key_sum(k: Tensor, valid: Optional[Tensor]) -> Tensor:
     return (k.reshape(-1, nw, n, c) * keep).sum(dim=-2, keepdim=True).reshape(-1, 1, c)
 
 
+_HEAD_MASKS = {}
+
+
+def _head_masks(c: int, h: int, dtype, device) -> Tuple[Tensor, Tensor]:
+    """``[C, C]`` ones where two channels belong to one of ``h`` heads, and ``[C, h]`` ones
+    where a channel belongs to a head, in ``dtype``. Constants of ``(C, h)``: kept per
+    dtype and device outside traced graphs (each is five small kernel launches to make)."""
+    traced = exporting() or compiling()
+    key = (c, h, dtype, device)
+    if not traced and key in _HEAD_MASKS:
+        return _HEAD_MASKS[key]
+    # (plain tensors even when made in inference mode: training may use them later)
+    with torch.inference_mode(False):
+        head = torch.arange(c, device=device) // (c // h)
+        masks = ((head.view(-1, 1) == head.view(1, -1)).to(dtype),
+                 (head.view(-1, 1) == torch.arange(h, device=device)).to(dtype))
+    if not traced:
+        _HEAD_MASKS[key] = masks
+    return masks
+
+
 def _split_heads(t: Tensor, num_heads: int) -> Tensor:
     """``[B, N, C]`` -> ``[B, heads, N, C/heads]``."""
     b, n, c = t.shape
@@ -84,6 +105,7 @@ class SLA(Reparameterizable, WindowKernelBase):
                              padding=kernel_size // 2, groups=self.head_dims)
         wh, ww = self.window_size
         self.positional_encoding = nn.Parameter(torch.zeros(1, wh * ww, embed_dims))
+        self._tiled_cache = None  # DWC weight, bias, versions, tiled: _tiled_dwc_params
 
     def init_weights(self) -> None:
         trunc_normal_(self.positional_encoding, std=0.02)
@@ -187,10 +209,29 @@ class SLA(Reparameterizable, WindowKernelBase):
     def _tiled_dwc(self, v_map: Tensor) -> Tensor:
         """The DWC shared by all heads as one depth-wise conv over all ``C`` channels (its
         weights tiled over the heads), in ``v_map``'s dtype: ``[B', C, wh, ww]`` -> same."""
-        h, dtype = self.num_heads, v_map.dtype
-        weight = self.dwc.weight.repeat(h, 1, 1, 1).to(dtype)
-        bias = None if self.dwc.bias is None else self.dwc.bias.repeat(h).to(dtype)
+        weight, bias = self._tiled_dwc_params(v_map.dtype)
         return F.conv2d(v_map, weight, bias, padding=self.dwc.padding, groups=v_map.shape[1])
+
+    def _tiled_dwc_params(self, dtype) -> Tuple[Tensor, Optional[Tensor]]:
+        """The DWC's weight and bias tiled over the heads, in ``dtype``. Kept between calls
+        in inference (a GPU at batch 1 waits on each small kernel launch) while the
+        parameters are the same tensors with the same storage, unchanged (their version
+        counters), made anew in training and in traced graphs."""
+        h, w, b = self.num_heads, self.dwc.weight, self.dwc.bias
+        cacheable = not (torch.is_grad_enabled() and w.requires_grad) and \
+            not (exporting() or compiling())
+        # (Module.to() swaps a parameter's .data in place: same tensor object, new storage)
+        key = (dtype, w.device, w.data_ptr(), w._version) + (
+            () if b is None else (b.data_ptr(), b._version))
+        cache = self._tiled_cache
+        if cacheable and cache is not None and cache[0] is w and cache[1] is b and \
+                cache[2] == key:
+            return cache[3]
+        with torch.inference_mode(False):  # (plain tensors: see _head_masks)
+            params = (w.repeat(h, 1, 1, 1).to(dtype),
+                      None if b is None else b.repeat(h).to(dtype))
+        self._tiled_cache = (w, b, key, params) if cacheable else None
+        return params
 
     def qkv_parts(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """:meth:`WindowKernelBase.qkv_parts` with ``q`` after its ReLU feature map: graphs
@@ -222,9 +263,7 @@ class SLA(Reparameterizable, WindowKernelBase):
         ``[B', N, h, d]`` and the normalizer ``[B', N, h]``."""
         bw, n, c = q.shape
         h, d = self.num_heads, self.head_dims
-        head = torch.arange(c, device=q.device) // d
-        same_head = (head.view(-1, 1) == head.view(1, -1)).to(q.dtype)  # [C, C]
-        of_head = (head.view(-1, 1) == torch.arange(h, device=q.device)).to(q.dtype)  # [C, h]
+        same_head, of_head = _head_masks(c, h, q.dtype, q.device)
         kv = (k.transpose(1, 2) @ v) * same_head  # [B', C, C]
         den = q @ (z.transpose(1, 2) * of_head)  # [B', N, h]
         return (q @ kv).view(bw, n, h, d), den

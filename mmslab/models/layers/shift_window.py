@@ -248,6 +248,18 @@ class ShiftWindowAttention(nn.Module):
         layout = self._cache.get(key)
         if layout is not None:
             return layout
+        # Plain tensors even when first made in inference mode: a model evaluated under
+        # torch.inference_mode and trained afterwards reuses them, and autograd cannot save
+        # inference tensors (index_select's index) for the backward pass.
+        with torch.inference_mode(False):
+            layout = self._make_layout(h, w, device)
+        if len(self._cache) > 16:
+            self._cache.clear()
+        self._cache[key] = layout
+        return layout
+
+    def _make_layout(self, h: int, w: int, device) -> dict:
+        """:meth:`_layout`'s maps, made."""
         wh, ww = self._window_for(h, w)
         hp, wp = -(-h // wh) * wh, -(-w // ww) * ww
         s = self.shift_size if (wh, ww) == self.window_size else 0
@@ -279,9 +291,6 @@ class ShiftWindowAttention(nn.Module):
                       cache_key=(hp, wp, wh, ww, s, str(device)),
                       shift_mask=shift_window_mask(hp, wp, wh, ww, s, device)
                       if s and self.w_msa.uses_shift_mask else None)
-        if len(self._cache) > 16:
-            self._cache.clear()
-        self._cache[key] = layout
         return layout
 
     @staticmethod
