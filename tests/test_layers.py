@@ -616,3 +616,29 @@ def test_a_model_run_in_inference_mode_trains_afterwards(name):
     assert sum(a is not None for a in grads[0]) > len(grads[0]) // 2
     for a, b in zip(*grads):
         assert a is None or rel_err(a, b) <= 1e-6
+
+
+def test_sla_keeps_its_tiled_dwc_only_outside_training():
+    """SLA's head-tiled DWC weights are kept between inference calls, as plain detached
+    tensors (a kept autograd graph would make the module impossible to deepcopy, as
+    ``fused_copy`` does after an evaluation), made anew when the weights change, and never
+    kept while training (the gradient flows through the tiled copy)."""
+    from mmslab.models.layers import SLA
+    torch.manual_seed(0)
+    sla = SLA(16, 2, 4)
+    qkv = torch.randn(3, 16, 48)
+    with torch.no_grad():
+        first = sla.attend(qkv, 3, (4, 4))
+        kept = sla._tiled_cache[3][0]
+        assert sla.attend(qkv, 3, (4, 4)).equal(first) and sla._tiled_cache[3][0] is kept
+    assert kept.grad_fn is None and not kept.requires_grad
+    copy.deepcopy(sla)
+    with torch.no_grad():
+        sla.dwc.weight.mul_(2)  # in place: the version counter moves
+        changed = sla.attend(qkv, 3, (4, 4))
+    assert sla._tiled_cache[3][0] is not kept and not changed.equal(first)
+    with torch.inference_mode():
+        sla.attend(qkv, 3, (4, 4))
+    assert not sla._tiled_cache[3][0].is_inference()
+    sla.attend(qkv, 3, (4, 4)).sum().backward()
+    assert sla._tiled_cache is None and sla.dwc.weight.grad.abs().sum() > 0
