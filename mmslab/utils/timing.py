@@ -158,3 +158,12 @@ def measure_interleaved(fns: Dict[Hashable, Callable[[], object]], repeat: int, 
                 if progress is not None:
                     progress()
     return times
+
+
+def fastest_ms(fns: Dict[Hashable, Callable[[], object]], device: DeviceLike = None,
+               repeat: int = 3, warmup: int = 1) -> Dict[Hashable, float]:
+    """Each callable's best time in ms over ``repeat`` interleaved rounds after ``warmup``
+    calls (:func:`measure_interleaved`): what layers time once to choose between forms of
+    one computation (noise hits every form alike and the minimum filters it out)."""
+    times = measure_interleaved(fns, repeat, warmup, device=device)
+    return {name: min(ms) for name, ms in times.items()}

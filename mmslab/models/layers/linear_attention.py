@@ -227,16 +227,16 @@ class SLA(Reparameterizable, WindowKernelBase):
         if cacheable and cache is not None and cache[0] is w and cache[1] is b and \
                 cache[2] == key:
             return cache[3]
+        def tiled():
+            return w.repeat(h, 1, 1, 1).to(dtype), None if b is None else b.repeat(h).to(dtype)
         if not cacheable:  # (training: the tiled copies carry the gradients back)
             self._tiled_cache = None
-            return (w.repeat(h, 1, 1, 1).to(dtype),
-                    None if b is None else b.repeat(h).to(dtype))
+            return tiled()
         # plain tensors (see _head_masks) outside any autograd graph: inference_mode(False)
         # turns grad mode back on, and a kept graph would hold memory and make the module
         # impossible to deepcopy
         with torch.inference_mode(False), torch.no_grad():
-            params = (w.repeat(h, 1, 1, 1).to(dtype),
-                      None if b is None else b.repeat(h).to(dtype))
+            params = tiled()
         self._tiled_cache = (w, b, key, params)
         return params
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from mmengine.logging import print_log
 from torch import Tensor
 
-from mmslab.utils.timing import measure_interleaved
+from mmslab.utils.timing import fastest_ms
 from .builder import build_window_attention
 from .export_mode import (compiling, exporting, head_layout_setting, linear_attention_form,
                           masked_windows_setting, split_layout_token, symbolic_shapes_enabled)
@@ -147,7 +147,10 @@ def masked_windows_choices() -> dict:
     """The form :func:`choose_masked_windows` took per shape so far, for benchmark reports:
     ``{'kernel B x HxW x C heads window shift dtype device': {'impl': ..., 'compact_ms': ...,
     'padded_ms': ...}}``."""
-    return {' '.join(map(str, k)): dict(v) for k, v in _MASKED_CHOICES.items()}
+    def label(kernel, shape, hw, heads, wh, ww, shift, dtype, device):
+        return (f"{kernel} {'x'.join(map(str, shape))} {hw[0]}x{hw[1]} {heads} {wh} {ww} "
+                f"{shift} {str(dtype).replace('torch.', '')} {device}")
+    return {label(*k): dict(v) for k, v in _MASKED_CHOICES.items()}
 
 
 def choose_masked_windows(attn: 'ShiftWindowAttention', x: Tensor, lay: dict) -> str:
@@ -168,15 +171,13 @@ def choose_masked_windows(attn: 'ShiftWindowAttention', x: Tensor, lay: dict) ->
     if torch.is_grad_enabled() and x.requires_grad:
         return 'compact'
     kernel = attn.w_msa
-    key = (type(kernel).__name__, 'x'.join(map(str, x.shape)),
-           '{}x{}'.format(*lay['cache_key'][:2]), kernel.num_heads, lay['wh'], lay['ww'],
-           attn.shift_size, str(x.dtype).replace('torch.', ''), x.device.type)
+    # (raw values, formatted only for reports: this runs in every forward)
+    key = (type(kernel).__name__, tuple(x.shape), lay['cache_key'][:2], kernel.num_heads,
+           lay['wh'], lay['ww'], attn.shift_size, x.dtype, x.device.type)
     choice = _MASKED_CHOICES.get(key)
     if choice is None:
-        forms = {form: (lambda form=form: attn._windows_forward(x, lay, form))
-                 for form in ('compact', 'padded')}
-        times = measure_interleaved(forms, repeat=3, warmup=1, device=x.device)
-        best = {form: min(ms) for form, ms in times.items()}
+        best = fastest_ms({form: (lambda form=form: attn._windows_forward(x, lay, form))
+                           for form in ('compact', 'padded')}, x.device)
         # padded only on a clear win: a choice that flips on noise would change the rounding
         # of the outputs from one run to the next
         impl = 'padded' if best['padded'] * PADDED_WINDOWS_MARGIN < best['compact'] else 'compact'

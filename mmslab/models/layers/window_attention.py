@@ -7,7 +7,6 @@ Parameter names follow mmdet's ``WindowMSA`` (``qkv``, ``proj``,
 ``relative_position_bias_table``, ``relative_position_index``) so mmdet Swin weights load.
 """
 import logging
-import time
 from typing import Optional, Tuple
 
 import numpy as np
@@ -19,6 +18,7 @@ from mmengine.model.weight_init import trunc_normal_
 from torch import Tensor
 
 from mmslab.registry import register_model
+from mmslab.utils.timing import fastest_ms
 from .affine import fold_affine_into_next_linear
 from .reparameterizable import Reparameterizable
 from .shift_mask import ShiftMaskByType
@@ -418,21 +418,8 @@ def choose_window_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: 
 
 
 def _time_implementations(q, k, v, mask, scale, repeat: int = 3) -> dict:
-    # Interleaved, best of `repeat`: machine noise hits both alike and is filtered out.
-    # On a GPU, kernels run asynchronously: synchronize so the clock measures them.
-    def sync():
-        if q.is_cuda:
-            torch.cuda.synchronize(q.device)
-    times = {name: float('inf') for name in WINDOW_SOFTMAX_IMPLS}
-    with torch.no_grad():
-        for fn in WINDOW_SOFTMAX_IMPLS.values():
-            fn(q, k, v, mask, scale)  # warm-up (allocations, kernel selection)
-        for _ in range(repeat):
-            for name, fn in WINDOW_SOFTMAX_IMPLS.items():
-                sync()
-                t0 = time.perf_counter()
-                fn(q, k, v, mask, scale)
-                sync()
-                times[name] = min(times[name], (time.perf_counter() - t0) * 1000.0)
+    # interleaved, best of `repeat`; CUDA events on a GPU (kernels run asynchronously)
+    times = fastest_ms({name: (lambda fn=fn: fn(q, k, v, mask, scale))
+                        for name, fn in WINDOW_SOFTMAX_IMPLS.items()}, q.device, repeat)
     impl = min(times, key=times.get)
     return dict(impl=impl, sdpa_ms=times['sdpa'], matmul_ms=times['matmul'])
