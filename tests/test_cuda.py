@@ -5,6 +5,8 @@ References are independent of the code under test where one exists: mmdet's Swin
 LayerNorm build, the quadratic-order SLA formula for linear attention, the CPU for the
 device-independent parts. TF32 is off so that fp32 means fp32.
 """
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -130,3 +132,86 @@ def test_sla_windows_of_a_padded_map_match_the_formula_on_cuda(form):
         out = attn(x.to(CUDA), hw).cpu()
     for b in range(2):
         assert rel_err(out[b], ref[b]) <= 1e-10
+
+
+def _swin(name):
+    """A fused tiny preset, or mmdet's Swin (as the benchmark times it), on CUDA."""
+    torch.manual_seed(0)
+    if name == 'mmdet':
+        from mmdet.models.backbones import SwinTransformer
+        model = SwinTransformer(**SWIN_TINY, out_indices=(0, 1, 2, 3))
+        model.init_weights()
+    else:
+        model = build_preset(name)
+        model.init_weights()
+        randomize_bn_statistics(model)
+        mmslab.reparameterize(model.eval())
+    model.to(CUDA)
+    model.eval()
+    return model
+
+
+@pytest.mark.parametrize('name', ['SLABSwin', 'PRepBNSwin', 'RePaSwin', 'mmdet'])
+def test_cuda_graph_replay_equals_the_eager_forward(name):
+    """A backbone replayed from CUDA graphs gives its eager outputs, in fp32 and under fp16
+    autocast, at maps its windows tile and maps they do not, coming back to a shape it
+    captured before; returned outputs survive the next replay; an in-place weight update
+    (as load_state_dict or an optimizer makes) is seen: the graphs are captured anew."""
+    from mmslab.deploy.cuda_graph import CUDAGraphModule
+    model = _swin(name)
+    graphed = CUDAGraphModule(model)
+    shapes = [(64, 72), (61, 83), (64, 72)]
+    with torch.inference_mode():
+        for hw in shapes:
+            for half in (False, True):
+                x = torch.randn(1, 3, *hw, device=CUDA)
+                with torch.autocast('cuda', dtype=torch.float16, enabled=half):
+                    ref = [o.float() for o in model(x)]
+                    got = graphed(x)
+                    kept = [o.clone() for o in got]
+                    graphed(torch.randn_like(x))  # the same graph, other inputs
+                for r, g, k in zip(ref, got, kept):
+                    assert rel_err(g.float(), r) <= (2e-3 if half else 1e-6), (hw, half)
+                    assert torch.equal(g, k)
+        assert graphed.captures == 4  # two shapes x two precisions, reused on the way back
+        x = torch.randn(1, 3, 64, 72, device=CUDA)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.01)
+        ref = model(x)
+        got = graphed(x)
+    assert graphed.captures == 5
+    for r, g in zip(ref, got):
+        assert rel_err(g, r) <= 1e-6
+
+
+def test_cuda_graphs_in_a_detector_predict_as_eager():
+    """The demo SLAB-Swin-T Mask R-CNN, fused, with its backbone and neck replayed from CUDA
+    graphs (use_cuda_graphs): the same features and detections as eager, at two sizes."""
+    from mmslab.benchmark import fake_batch
+    from mmslab.deploy.cuda_graph import graph_captures, release_cuda_graphs, use_cuda_graphs
+    from mmslab.utils.launch import build_model_from_config
+    torch.manual_seed(0)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _, model = build_model_from_config(
+        os.path.join(root, 'configs', 'demo', 'mask_rcnn_slab_swin_t_demo.py'))
+    model.init_weights()
+    randomize_bn_statistics(model)
+    mmslab.reparameterize(model.eval())
+    model.to(CUDA)
+    keys = list(model.state_dict())
+    for hw in [(320, 480), (480, 352)]:
+        inputs, samples = fake_batch(model, hw)
+        with torch.no_grad():
+            ref_feats = [f.clone() for f in model.extract_feat(inputs)]
+            ref = model(inputs, samples, mode='predict')[0].pred_instances
+            use_cuda_graphs(model)
+            feats = model.extract_feat(inputs)
+            got = model(inputs, samples, mode='predict')[0].pred_instances
+            release_cuda_graphs(model)
+        for r, f in zip(ref_feats, feats):
+            assert rel_err(f, r) <= 1e-6, hw
+        assert len(got) == len(ref), hw
+        assert torch.allclose(got.bboxes, ref.bboxes, atol=1e-3), hw
+        assert torch.allclose(got.scores, ref.scores, atol=1e-5), hw
+    assert graph_captures(model) is None and list(model.state_dict()) == keys

@@ -642,3 +642,27 @@ def test_sla_keeps_its_tiled_dwc_only_outside_training():
     assert not sla._tiled_cache[3][0].is_inference()
     sla.attend(qkv, 3, (4, 4)).sum().backward()
     assert sla._tiled_cache is None and sla.dwc.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize('name', ['PRepBNSwin', 'SLABSwin'])
+def test_a_fused_model_loaded_after_a_call_uses_the_new_weights(name):
+    """Fused window attention caches its position bias (with the shift masks) per size, SLA
+    its tiled DWC: weights loaded in place after an inference call (load_state_dict) must
+    replace them. Reference: a model built with those weights that never ran."""
+    from presets import build_preset
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = build_preset(name)
+        model.init_weights()
+        mmslab.reparameterize(model.eval())
+        models.append(model)
+    used, other = models
+    x = torch.randn(1, 3, 61, 83)
+    with torch.no_grad():
+        before = used(x)
+        used.load_state_dict(other.state_dict())
+        after, ref = used(x), other(x)
+    for b, a, r in zip(before, after, ref):
+        assert rel_err(b, r) > 1e-2  # the two models differ
+        assert rel_err(a, r) <= 1e-6

@@ -4,7 +4,7 @@
         [--repeat 5] [--warmup 2] [--threads 2] [--baseline CONFIG ...]
         [--baseline-backbone swin_t ln_swin_t] [--parts backbone model]
         [--device {cpu,cuda}] [--precisions fp32 fp16 bf16] [--batch-size 1 config]
-        [--compile [--compile-dynamic] [--compile-backend inductor]] --out DIR
+        [--compile [--compile-dynamic] [--compile-backend inductor]] [--cuda-graph] --out DIR
 
 For every input shape and batch size it times the backbone alone and the whole model
 (``mode='predict'``: forward + post-processing, no data loading) of: the fused model
@@ -34,8 +34,16 @@ LayerNorm control; and ``speedup_vs_fp32``: the same variant in fp32 over this p
 control's) as rows of their own, timed in the same rotation as their eager forms; the first
 call at each shape (the compilation: a static graph at the first shape, one graph for all
 sizes at the second) is timed separately and reported with the number of graphs compiled.
+
+``--cuda-graph`` (CUDA only) adds every variant but the unfused one with its backbone and
+neck replayed from CUDA graphs (:func:`mmslab.deploy.cuda_graph.use_cuda_graphs`: one
+capture per shape and precision, in the warm-up calls) as rows of their own, on copies of
+the models, in the same rotation; the references gain graphed forms (``swin_t+graph``,
+``ln_swin_t+graph``): at batch 1 a GPU waits on kernel launches, which graphs remove, so
+these ratios are what the models' arithmetic buys.
 """
 import argparse
+import copy
 import json
 import os
 import os.path as osp
@@ -45,6 +53,7 @@ from mmengine.config import DictAction
 from mmengine.utils import ProgressBar
 
 import mmslab  # noqa: F401
+from mmslab.deploy.cuda_graph import graph_captures, use_cuda_graphs
 from mmslab.utils.launch import build_model_from_config
 from mmslab.models.layers.shift_window import masked_windows_choices
 from mmslab.models.layers.window_attention import window_softmax_choices
@@ -82,6 +91,9 @@ def parse_args(argv=None):
                    help='compile with dynamic=True: one graph for every size from the first '
                    'call (default: a static graph at the first shape, a dynamic one at the '
                    'second, as torch.compile does)')
+    p.add_argument('--cuda-graph', action='store_true',
+                   help='also time every variant but the unfused one with its backbone and '
+                   'neck replayed from CUDA graphs (CUDA only)')
     p.add_argument('--cfg-options', nargs='+', action=DictAction)
     add_device_arguments(p, config_batch=True)
     add_allocator_argument(p)
@@ -91,6 +103,8 @@ def parse_args(argv=None):
     if args.repeat < 1 or args.warmup < 0:
         p.error('--repeat must be >= 1 and --warmup >= 0')
     check_device_arguments(p, args, 'tools/benchmark.py')
+    if args.cuda_graph and args.device.type != 'cuda':
+        p.error(f'--cuda-graph needs a CUDA device, got --device {args.device}')
     return args
 
 
@@ -172,9 +186,16 @@ def main(argv=None):
         references[base] = key
     for m in variants.values():
         move_to(m, device)
+    if args.cuda_graph:
+        for key in [k for k in variants if not k.endswith('(unfused)')]:
+            graphed = key[:-1] + ', CUDA graph)'
+            variants[graphed] = use_cuda_graphs(move_to(copy.deepcopy(variants[key]), device))
+            short = {v: k for k, v in references.items()}.get(key)
+            if short is not None:
+                references[f'{short}+graph'] = graphed
     compiled = {}
     if args.compile:
-        for key in [k for k in variants if k.endswith(('(fused)', ', fused)'))]:
+        for key in [k for k in variants if k.endswith(('(fused)', ', fused)'))]:  # eager ones
             compiled[key[:-1] + ', torch.compile)'] = torch.compile(
                 variants[key].backbone, backend=args.compile_backend,
                 dynamic=True if args.compile_dynamic else None)
@@ -215,10 +236,16 @@ def main(argv=None):
                   speedups=speedups(results, references),
                   window_softmax=window_softmax_choices(),
                   masked_windows=masked_windows_choices())
+    if args.cuda_graph:
+        report['cuda_graph'] = {k: graph_captures(m) for k, m in variants.items()
+                                if k.endswith(', CUDA graph)')}
     if compiled:
         report['compile'] = dict(backend=args.compile_backend, dynamic=args.compile_dynamic,
                                  first_calls=with_eager_times(compile_runs, results))
     print_table(report, name)
+    for key, captures in report.get('cuda_graph', {}).items():
+        print(f'{key}: {captures} CUDA graph(s) captured' + (
+            '' if captures else ' (WARNING: it ran eagerly; its rows are not graph replays)'))
     with open(osp.join(args.out, 'benchmark.json'), 'w') as f:
         json.dump(report, f, indent=2)
     plot(report, osp.join(args.out, 'benchmark.png'))

@@ -8,7 +8,9 @@ torch-free predictor (``python -m mmslab.deploy.predict``).
 * ``onnx_export`` (PyTorch) and ``quantize`` (calibration and INT8, needing the model): the
   export side, imported on first use (PEP 562 module ``__getattr__``), so that ``runtimes``
   and ``predict`` import without PyTorch. ``from mmslab.deploy import export_onnx`` works as
-  before.
+  before;
+* ``cuda_graph`` (PyTorch, imported on first use too): a fused model's backbone and neck
+  replayed from CUDA graphs on a GPU, where batch-1 inference waits on kernel launches.
 """
 import importlib
 
@@ -21,12 +23,15 @@ _LAZY = dict(
         'torch_outputs')},
     **{name: 'quantize' for name in
        ('calibration_images', 'preprocessed_images', 'quantize_onnxruntime',
-        'quantize_openvino')})
+        'quantize_openvino')},
+    **{name: 'cuda_graph' for name in
+       ('CUDAGraphModule', 'release_cuda_graphs', 'use_cuda_graphs')})
 
-__all__ = ['PARTS', 'PRECISIONS', 'RUNTIMES', 'ExportWrapper', 'artifact_path',
-           'calibration_images', 'convert_to_openvino', 'export_onnx', 'export_runtime_graphs',
-           'load_runtime_model', 'max_relative_error', 'open_model', 'preprocessed_images',
-           'quantize_onnxruntime', 'quantize_openvino', 'resolve_precision', 'torch_outputs']
+__all__ = ['PARTS', 'PRECISIONS', 'RUNTIMES', 'CUDAGraphModule', 'ExportWrapper',
+           'artifact_path', 'calibration_images', 'convert_to_openvino', 'export_onnx',
+           'export_runtime_graphs', 'load_runtime_model', 'max_relative_error', 'open_model',
+           'preprocessed_images', 'quantize_onnxruntime', 'quantize_openvino',
+           'release_cuda_graphs', 'resolve_precision', 'torch_outputs', 'use_cuda_graphs']
 
 
 def __getattr__(name: str):

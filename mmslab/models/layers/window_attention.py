@@ -272,11 +272,13 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
 
         A materialized contiguous 4-D mask keeps PyTorch's fused CPU attention kernel (a 3-D
         or broadcast 5-D mask falls back to the slow math path). In eager deploy mode the mask
-        is a constant and cached per batch and padded size.
+        is a constant and cached per batch, padded size and bias (storage, version).
         """
         key = None
         if self.deploy and not compiling() and (cache_key is not None or shift_mask is None):
-            key = (bw, cache_key, dtype)
+            # (the bias's storage and version: a load_state_dict after a call changes it)
+            bias = self.relative_position_bias
+            key = (bw, cache_key, dtype, bias.data_ptr(), bias._version)
             mask = self._mask_cache.get(key)
             if mask is not None:
                 return mask

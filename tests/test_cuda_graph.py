@@ -1,0 +1,91 @@
+"""CUDA-graph replay (mmslab.deploy.cuda_graph) on the CPU: what does not need a GPU (the
+wrapper's contract, its refusals, the structures it flattens, the caches it keeps alive).
+Replay itself is tested on a GPU in tests/test_cuda.py."""
+import pytest
+import torch
+import torch.nn as nn
+
+import mmslab
+from presets import build_preset
+from mmslab.deploy.cuda_graph import (CUDAGraphModule, _cached_tensors, _flatten, _unflatten,
+                                      graph_captures, release_cuda_graphs, use_cuda_graphs)
+
+
+def test_outputs_round_trip_through_their_structure():
+    a, b, c = torch.randn(2), torch.randn(3), torch.randn(1)
+    for value in [a, (a, b), [a, (b, c)], ((a,), [b, c])]:
+        tensors, spec = _flatten(value)
+        back = _unflatten(tensors, spec)
+        assert type(back) is type(value)
+        assert [t is u for t, u in zip(_flatten(back)[0], tensors)] == [True] * len(tensors)
+    with pytest.raises(TypeError, match='dict'):
+        _flatten({'x': a})
+
+
+def test_refusals_name_the_problem():
+    with pytest.raises(TypeError, match='nn.Module'):
+        CUDAGraphModule(lambda x: x)
+    with pytest.raises(ValueError, match='max_graphs=0'):
+        CUDAGraphModule(nn.Identity(), max_graphs=0)
+    graphed = CUDAGraphModule(nn.Linear(4, 4).eval())
+    assert not graphed.training  # the wrapped module's mode: an eval model replays
+    with torch.no_grad(), pytest.raises(ValueError, match='CUDA tensors.*cpu'):
+        graphed(torch.randn(2, 4))
+    with pytest.raises(ValueError, match='none of the parts'):
+        use_cuda_graphs(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match='attribute names'):
+        use_cuda_graphs(nn.Linear(2, 2), parts=[None])
+
+
+def test_training_and_gradient_calls_run_eagerly():
+    """Graphs serve inference only: a training call, or one that records gradients, is the
+    module's own forward (on the CPU too: nothing is captured, gradients flow)."""
+    lin = nn.Linear(4, 3)
+    graphed = CUDAGraphModule(lin)
+    x = torch.randn(2, 4)
+    out = graphed.train()(x)
+    out.sum().backward()
+    assert lin.weight.grad is not None and torch.equal(out, lin(x))
+    assert torch.equal(graphed.eval()(x), lin(x))  # grad mode on: eager as well
+    assert graphed.captures == 0
+
+
+def test_wrapping_and_releasing_keep_the_model_and_its_keys():
+    model = nn.Module()
+    model.backbone = nn.Linear(4, 4)
+    model.neck = nn.Linear(4, 2)
+    model.head = nn.Linear(2, 1)
+    keys = list(model.state_dict())
+    backbone = model.backbone
+    use_cuda_graphs(model)
+    assert isinstance(model.backbone, CUDAGraphModule) and model.backbone.module is backbone
+    assert not isinstance(model.head, CUDAGraphModule)
+    use_cuda_graphs(model)  # idempotent: no wrapper around a wrapper
+    assert model.backbone.module is backbone
+    assert graph_captures(model) == 0
+    release_cuda_graphs(model)
+    assert model.backbone is backbone and list(model.state_dict()) == keys
+    assert graph_captures(model) is None
+    model.neck = None  # a part set to None (a model without a neck) is skipped
+    use_cuda_graphs(model)
+    assert model.neck is None and isinstance(model.backbone, CUDAGraphModule)
+
+
+def test_the_caches_a_graph_may_read_are_found():
+    """After an inference call, a fused SLAB-Swin's cached constants (window layouts, SLA's
+    tiled DWC weights) are tensors outside its parameters and buffers: the wrapper keeps
+    them alive with a graph, whatever the modules' caches drop later."""
+    torch.manual_seed(0)
+    model = build_preset('SLABSwin')
+    model.init_weights()
+    mmslab.reparameterize(model.eval())
+    before = _cached_tensors(model)
+    with torch.no_grad():
+        model(torch.randn(1, 3, 61, 83))
+    found = _cached_tensors(model)
+    assert len(found) > len(before)
+    owned = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
+    assert sum(t.data_ptr() not in owned for t in found) > 0
+    sla = next(m for m in model.modules() if type(m).__name__ == 'SLA')
+    tiled = sla._tiled_cache[3][0]
+    assert any(t is tiled for t in found)
