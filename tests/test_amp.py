@@ -793,3 +793,27 @@ def test_bf16_strided_convolutions_are_accurate(config):
             with cpu_autocast():
                 out = conv(x)
         assert rel_err(out.float(), ref) < OUT_TOL[torch.bfloat16], (name, key)
+
+
+def test_sla_bf16_inference_sums_in_bf16_within_rounding():
+    """bf16 inference keeps SLA's kernel sums in bf16 (float32's range, float32 accumulation
+    inside the products): over a 56 x 56 window of coherent activations the output is within
+    bf16 rounding of the float64 formula's. fp16 and training keep float32."""
+    from mmslab.models.layers.linear_attention import SLA, sla_dtype
+    t = torch.zeros(1, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert sla_dtype(t) == torch.bfloat16
+        assert sla_dtype(t.half()) == torch.float32
+    assert sla_dtype(t) == torch.float32  # grad mode: training
+    torch.manual_seed(0)
+    c, n = 32, 56 * 56
+    kernel = SLA(c, 2, 56).eval()
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(1, n, 3 * c, generator=g) * 2 + 5
+    with torch.no_grad():
+        ref = kernel.double().attend(qkv.double(), 1, (56, 56)).reshape(1, n, c)
+        kernel.float()
+        with cpu_autocast(torch.bfloat16):
+            out = kernel.attend(qkv.bfloat16(), 1, (56, 56)).reshape(1, n, c)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert rel_err(out.double(), ref) < OUT_TOL[torch.bfloat16], rel_err(out.double(), ref)

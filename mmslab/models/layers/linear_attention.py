@@ -62,6 +62,18 @@ def _head_masks(c: int, h: int, dtype, device) -> Tuple[Tensor, Tensor]:
     return masks
 
 
+def sla_dtype(q: Tensor) -> torch.dtype:
+    """What SLA's kernel sums compute in, given its ``q``: float32 (at least), except bf16
+    inference, which stays in bf16. The sums over a 56 x 56 window pass fp16's 65504, but bf16
+    has float32's range, its matmuls and sums accumulate in float32, and its rounding (2^-9)
+    is what the control's bf16 attention and OpenVINO's bf16 graphs have; casting to float32
+    and back cost SLAB-Swin-T's eager bf16 inference 10 % against the control. Training keeps
+    float32 (its gradients sum over the same windows)."""
+    if q.dtype == torch.bfloat16 and not torch.is_grad_enabled():
+        return q.dtype
+    return torch.promote_types(q.dtype, torch.float32)
+
+
 def _split_heads(t: Tensor, num_heads: int) -> Tensor:
     """``[B, N, C]`` -> ``[B, heads, N, C/heads]``."""
     b, n, c = t.shape
@@ -76,7 +88,8 @@ class SLA(Reparameterizable, WindowKernelBase):
     ``S = sum_j relu(k_j + p_j)^T v_j`` and ``z = sum_j relu(k_j + p_j)``; ``p`` is a learned
     positional encoding on K (``[1, window_tokens, C]``) and DWC a depth-wise conv over the
     head channels of V on the window grid, shared by all heads. No softmax, no scale, no
-    shift mask. Computed in float32 even under autocast (the kernel sums are large).
+    shift mask. Computed in float32 even under autocast (the kernel sums are large), except in
+    bf16 inference (:func:`sla_dtype`).
     When a feature map fits inside one window the window shrinks to the map (the positional
     encoding is cropped), which is exact because padding is masked.
 
@@ -156,7 +169,7 @@ class SLA(Reparameterizable, WindowKernelBase):
         wh, ww = window_hw
         h, d = self.num_heads, self.head_dims
         pos = self._positional_encoding(window_hw, origin)
-        dtype = torch.promote_types(q.dtype, torch.float32)  # never below fp32
+        dtype = sla_dtype(q)
         with torch.autocast(device_type=q.device.type, enabled=False):
             q = F.relu(q.to(dtype)) if packed else q.to(dtype)
             k = (k.to(dtype) + pos.to(dtype)).relu_()
