@@ -122,6 +122,9 @@ def test_device_and_precision_errors_name_the_valid_choices(script, tiny_config,
     assert 'bf16 needs a CPU with avx512_bf16 or amx_bf16' in msg
     msg = exit_message(capsys, tool.main, base + ['--batch-size', '0'])
     assert '0 must be >= 1' in msg
+    if script == 'tools/benchmark.py':
+        msg = exit_message(capsys, tool.main, base + ['--device', 'cpu', '--cuda-graph'])
+        assert '--cuda-graph needs a CUDA device, got --device cpu' in msg
 
 
 def test_benchmark_times_every_precision_against_both_baselines(tiny_config, tmp_path,
