@@ -89,3 +89,24 @@ def test_the_caches_a_graph_may_read_are_found():
     sla = next(m for m in model.modules() if type(m).__name__ == 'SLA')
     tiled = sla._tiled_cache[3][0]
     assert any(t is tiled for t in found)
+
+
+def test_a_weight_change_is_seen_whatever_makes_it():
+    """The graphs read the weights' storage as it was at capture: the wrapper must notice
+    an in-place update (load_state_dict, an optimizer step), a swapped storage (``.to()``)
+    and a replaced parameter, and nothing else."""
+    lin = nn.Linear(4, 3)
+    graphed = CUDAGraphModule(lin.eval())
+    assert graphed._weights_changed()  # first call: nothing recorded
+    assert not graphed._weights_changed()
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    assert graphed._weights_changed() and not graphed._weights_changed()
+    lin.load_state_dict(nn.Linear(4, 3).state_dict())
+    assert graphed._weights_changed() and not graphed._weights_changed()
+    lin.double()
+    assert graphed._weights_changed() and not graphed._weights_changed()
+    lin.bias = nn.Parameter(lin.bias.detach().clone())
+    assert graphed._weights_changed() and not graphed._weights_changed()
+    graphed.release()
+    assert graphed._weights_changed()

@@ -187,12 +187,12 @@ def main(argv=None):
     for m in variants.values():
         move_to(m, device)
     if args.cuda_graph:
+        short_names = {v: k for k, v in references.items()}
         for key in [k for k in variants if not k.endswith('(unfused)')]:
             graphed = key[:-1] + ', CUDA graph)'
             variants[graphed] = use_cuda_graphs(move_to(copy.deepcopy(variants[key]), device))
-            short = {v: k for k, v in references.items()}.get(key)
-            if short is not None:
-                references[f'{short}+graph'] = graphed
+            if key in short_names:
+                references[f'{short_names[key]}+graph'] = graphed
     compiled = {}
     if args.compile:
         for key in [k for k in variants if k.endswith(('(fused)', ', fused)'))]:  # eager ones

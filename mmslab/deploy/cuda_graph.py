@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from mmslab.utils.tensor_state import tensor_state
+
 __all__ = ['CUDAGraphModule', 'use_cuda_graphs', 'release_cuda_graphs']
 
 Inputs = Union[Tensor, Sequence[Tensor]]
@@ -126,17 +128,15 @@ class CUDAGraphModule(nn.Module):
         self._graphs.clear()
         self._weights = None
 
-    def _weights_key(self) -> tuple:
-        return tuple((t, t.data_ptr(), t._version) for t in
-                     (*self.module.parameters(), *self.module.buffers()))
-
     def _weights_changed(self) -> bool:
-        key = self._weights_key()
-        if self._weights is None or len(key) != len(self._weights) or any(
-                a[0] is not b[0] or a[1:] != b[1:] for a, b in zip(key, self._weights)):
-            self._weights = key
-            return True
-        return False
+        """Whether the parameters and buffers are other tensors, or theirs changed
+        (:func:`~mmslab.utils.tensor_state.tensor_state`), since the last call; records
+        them."""
+        tensors = (*self.module.parameters(), *self.module.buffers())
+        key = (tensors, tensor_state(*tensors))
+        old, self._weights = self._weights, key
+        return old is None or len(old[0]) != len(tensors) or old[1] != key[1] or any(
+            a is not b for a, b in zip(old[0], tensors))
 
     def forward(self, inputs: Inputs):
         if self.module.training or (torch.is_grad_enabled() and any(

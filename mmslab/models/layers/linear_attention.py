@@ -20,6 +20,7 @@ from mmengine.model.weight_init import trunc_normal_
 from torch import Tensor
 
 from mmslab.registry import register_model
+from mmslab.utils.tensor_state import tensor_state
 from .reparameterizable import Reparameterizable
 from .export_mode import (compiling, exporting, linear_attention_form,
                           symbolic_shapes_enabled)
@@ -233,9 +234,7 @@ class SLA(Reparameterizable, WindowKernelBase):
         h, w, b = self.num_heads, self.dwc.weight, self.dwc.bias
         cacheable = not (torch.is_grad_enabled() and w.requires_grad) and \
             not (exporting() or compiling())
-        # (Module.to() swaps a parameter's .data in place: same tensor object, new storage)
-        key = (dtype, w.device, w.data_ptr(), w._version) + (
-            () if b is None else (b.data_ptr(), b._version))
+        key = (dtype, w.device, tensor_state(w, b))
         cache = self._tiled_cache
         if cacheable and cache is not None and cache[0] is w and cache[1] is b and \
                 cache[2] == key:

@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from mmslab.utils.tensor_state import tensor_state
 from .affine import FoldableNorm, fold_affine_into_next_linear, fold_affine_into_prev
 from .builder import build_norm, is_foldable_norm
 from .reparameterizable import Reparameterizable
@@ -136,7 +137,7 @@ class PatchMerging(_NormFoldingLayer):
         if compiling():
             lead, c4 = t.shape[:-1], t.shape[-1]
             return t.reshape(*lead, c4 // 4, 2, 2).movedim(-3, -1).reshape(*lead, c4)
-        key = (t.data_ptr(), t._version, t.dtype, t.device)
+        key = (tensor_state(t), t.dtype, t.device)
         cached = self._offset_major.get(name)
         if cached is None or cached[0] != key:
             lead, c4 = t.shape[:-1], t.shape[-1]

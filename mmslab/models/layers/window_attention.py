@@ -19,6 +19,7 @@ from torch import Tensor
 
 from mmslab.registry import register_model
 from mmslab.utils.timing import fastest_ms
+from mmslab.utils.tensor_state import tensor_state
 from .affine import fold_affine_into_next_linear
 from .reparameterizable import Reparameterizable
 from .shift_mask import ShiftMaskByType
@@ -276,9 +277,8 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
         """
         key = None
         if self.deploy and not compiling() and (cache_key is not None or shift_mask is None):
-            # (the bias's storage and version: a load_state_dict after a call changes it)
-            bias = self.relative_position_bias
-            key = (bw, cache_key, dtype, bias.data_ptr(), bias._version)
+            # (a load_state_dict after a call changes the bias)
+            key = (bw, cache_key, dtype, tensor_state(self.relative_position_bias))
             mask = self._mask_cache.get(key)
             if mask is not None:
                 return mask
