@@ -666,3 +666,81 @@ def test_a_fused_model_loaded_after_a_call_uses_the_new_weights(name):
     for b, a, r in zip(before, after, ref):
         assert rel_err(b, r) > 1e-2  # the two models differ
         assert rel_err(a, r) <= 1e-6
+
+
+def count_chunked_calls(monkeypatch) -> list:
+    """Spy on SLA.attend_windows: the list gets one ``[B', N]`` shape per chunk."""
+    calls = []
+    real = SLA.attend_windows
+
+    def spy(self, x, *args, **kwargs):
+        calls.append(tuple(x.shape[:2]))
+        return real(self, x, *args, **kwargs)
+    monkeypatch.setattr(SLA, 'attend_windows', spy)
+    return calls
+
+
+@pytest.mark.parametrize('shift', [False, True])
+@pytest.mark.parametrize('masked', ['compact', 'padded'])
+@pytest.mark.parametrize('values', [1, 10 ** 6])
+def test_sla_eager_inference_in_chunks_matches_the_padded_formula(monkeypatch, shift, masked,
+                                                                  values):
+    """Eager CPU inference runs window SLA in chunks of windows (qkv, kernel and proj per
+    chunk, ShiftWindowAttention._forward_in_chunks): one window per chunk (``values`` 1) or
+    all at once, on cropped groups or padded windows, two images, maps that pad, wrap, end
+    in partial windows or fit in one window along an axis: the transcribed formula's
+    numbers. An explicit linear-attention form, and gradients, take the whole-map path."""
+    from mmslab.models.layers.shift_window import ShiftWindowAttention as SWA
+    monkeypatch.setattr(SWA, 'chunk_values', values)
+    calls = count_chunked_calls(monkeypatch)
+    torch.manual_seed(7)
+    attn = SWA(16, 2, 8, shift=shift, attn_type='sla').double().eval()
+    nn.init.normal_(attn.w_msa.positional_encoding, std=0.5)
+    nn.init.normal_(attn.w_msa.dwc.weight, std=0.5)
+    nn.init.normal_(attn.w_msa.qkv.bias, std=0.5)
+    for hw in [(12, 12), (23, 31), (17, 8), (5, 30), (16, 11), (8, 8)]:
+        x = torch.randn(2, hw[0] * hw[1], 16, dtype=torch.float64)
+        calls.clear()
+        with torch.no_grad(), export_mode(masked_windows=masked):
+            out = attn(x, hw)
+        assert calls and all(b % 2 == 0 for b, _ in calls)  # both images in each chunk
+        if values == 1:
+            assert all(b == 2 for b, _ in calls)  # one window (of each image) per chunk
+        for b in range(2):
+            assert rel_err(out[b], shifted_sla_reference(attn, x[b], hw)) <= 1e-10, hw
+    calls.clear()
+    with torch.no_grad(), export_mode(linear_attention='heads'):
+        attn(x, hw)
+    attn(x.requires_grad_(), hw)
+    assert not calls
+
+
+def test_sla_in_chunks_follows_weights_loaded_after_a_call():
+    """The chunked path keeps its per-window biases (q's and k's bias plus the positional
+    encoding) between calls: weights loaded in place afterwards must be used."""
+    torch.manual_seed(8)
+    attn = ShiftWindowAttention(16, 2, 8, shift=True, attn_type='sla').double().eval()
+    x = torch.randn(1, 12 * 20, 16, dtype=torch.float64)
+    with torch.no_grad():
+        attn(x, (12, 20))
+        new = {k: torch.randn_like(v) for k, v in attn.state_dict().items()}
+        attn.load_state_dict(new)
+        out = attn(x, (12, 20))
+    assert rel_err(out[0], shifted_sla_reference(attn, x[0], (12, 20))) <= 1e-10
+
+
+@pytest.mark.skipif(not __import__('mmslab.utils.machine', fromlist=['has_bf16']).has_bf16(),
+                    reason='this CPU has no bf16 units: bf16 autocast would be emulated')
+def test_sla_in_chunks_under_bf16_autocast_is_within_bf16_rounding(monkeypatch):
+    """bf16 autocast: the chunked path computes in bf16 (as SLA's bf16 inference does) and
+    gives a bf16 output within bf16 rounding of the float64 formula, on coherent
+    activations (large kernel sums) and a padded, shifted map."""
+    calls = count_chunked_calls(monkeypatch)
+    torch.manual_seed(9)
+    attn = ShiftWindowAttention(32, 2, 8, shift=True, attn_type='sla').eval()
+    x = torch.randn(1, 12 * 20, 32) * 2 + 1
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
+        out = attn(x, (12, 20))
+    assert calls and out.dtype == torch.bfloat16
+    ref = shifted_sla_reference(attn.double(), x[0].double(), (12, 20))
+    assert rel_err(out[0].double(), ref) < 2e-2, rel_err(out[0].double(), ref)

@@ -40,7 +40,10 @@ These choices change the form a layer takes (never its numbers):
   measured (docs/benchmarks.md), ``heads`` above; in a ``token_major`` graph, window SLA
   gathers its windows token-major and takes ``heads`` (``SLA.attend_token_major``: the
   permutations fold into onnxruntime's products, no transposes either). The same numbers
-  every way.
+  every way. Eager CPU inference under ``auto`` takes neither: window SLA runs ``qkv``, its
+  per-head products and ``proj`` in chunks of windows (see
+  :class:`~mmslab.models.layers.shift_window.ShiftWindowAttention`); an explicit form keeps
+  the whole-map computation in that form.
 * ``window_softmax`` (``auto`` | ``sdpa`` | ``matmul``): how eager window softmax attention
   is computed; ``auto`` times both once per shape
   (:func:`~mmslab.models.layers.window_attention.choose_window_softmax`). The process
@@ -147,6 +150,10 @@ def window_softmax_setting() -> str:
 
 def masked_windows_setting() -> str:
     return _state['masked_windows']
+
+
+def linear_attention_setting() -> str:
+    return _state['linear_attention']
 
 
 def linear_attention_form(kernel, token_major: bool = False) -> str:

@@ -120,6 +120,7 @@ class SLA(Reparameterizable, WindowKernelBase):
         wh, ww = self.window_size
         self.positional_encoding = nn.Parameter(torch.zeros(1, wh * ww, embed_dims))
         self._tiled_cache = None  # DWC weight, bias, versions, tiled: _tiled_dwc_params
+        self._bias_cache = {}  # attend_windows' biases (_window_biases)
 
     def init_weights(self) -> None:
         trunc_normal_(self.positional_encoding, std=0.02)
@@ -219,6 +220,73 @@ class SLA(Reparameterizable, WindowKernelBase):
         dwc = self._tiled_dwc(v.permute(1, 2, 0).reshape(-1, c, wh, ww))  # [B', C, wh, ww]
         out = num / den + dwc.reshape(-1, h, d, n)
         return out.reshape(-1, c, n).transpose(1, 2)
+
+    attends_windows = True
+
+    def attend_windows(self, x: Tensor, window_hw: Tuple[int, int],
+                       valid: Optional[Tensor] = None, origin=(0, 0)) -> Tensor:
+        """Eager inference on the window tokens *before* ``qkv``: ``[B', N, C]`` -> ``[B', N, C]``
+        before ``proj``, all in ``x``'s dtype (float32, or bf16: see :func:`sla_dtype`).
+
+        The same numbers as :meth:`attend`, in fewer passes over memory, for
+        :class:`~mmslab.models.layers.shift_window.ShiftWindowAttention`'s chunks of windows
+        (small enough to stay in cache): q and k come out of one product with their biases
+        and the positional encoding already added (``baddbmm`` adds a ``[N, 2C]`` bias for
+        what a ``[2C]`` one costs) and take one in-place ReLU; ``v`` comes out contiguous,
+        so the DWC reads it as a channels-last map without a copy; the per-head products
+        run on strided per-head views (no transposed copies, a third or a sixth of the
+        block-diagonal form's multiply-adds), numerator and normalizer from one product
+        ``q_h [S_h | z_h]``,
+        and each head's quotient is added in place to the DWC's output. ``valid``:
+        ``[B', N]`` (padded slots: any finite token; their outputs are not read)."""
+        bw, n, c = x.shape
+        h, d = self.num_heads, self.head_dims
+        wh, ww = window_hw
+        w_qk, w_v = self.qkv.weight.to(x.dtype).split((2 * c, c))
+        bias_qk, bias_v = self._window_biases(window_hw, origin, x.dtype)
+        qk = torch.baddbmm(bias_qk, x, w_qk.t().expand(bw, c, 2 * c)).relu_()  # [B', N, 2C]
+        v = torch.baddbmm(bias_v, x, w_v.t().expand(bw, c, c))  # [B', N, C]
+        k = qk[..., c:]
+        if valid is None:
+            keep = x.new_ones(bw, n)
+        else:  # padded slots: V zero (they add nothing to K^T V or the DWC), keys masked
+            keep = valid.to(x.dtype)
+            v.mul_(keep.unsqueeze(-1))
+        z = torch.bmm(keep.unsqueeze(1), k)  # [B', 1, C] (a product: faster than a strided sum)
+        out = self._tiled_dwc(v.view(bw, wh, ww, c).permute(0, 3, 1, 2))
+        out = out.permute(0, 2, 3, 1).reshape(bw, n, c)  # (a view: the DWC is channels-last)
+        # [B', h, N, d] views (no copies); products batched over the windows, one head at a
+        # time, or over the heads, one window at a time, whichever takes fewer calls (small
+        # maps: many groups of one window each)
+        q4, k4, v4, out4 = (t.unflatten(-1, (h, d)).transpose(1, 2)
+                            for t in (qk[..., :c], k, v, out))
+        z4 = z.view(bw, h, d)
+        axis = 0 if bw < h else 1
+        for i in range(q4.shape[axis]):
+            q_i, k_i, v_i, z_i, out_i = (t.select(axis, i) for t in (q4, k4, v4, z4, out4))
+            s_z = torch.cat([k_i.transpose(-2, -1) @ v_i, z_i.unsqueeze(-1)], dim=-1)
+            num = q_i @ s_z  # [.., N, d + 1]: the numerator and the normalizer
+            out_i.addcdiv_(num[..., :d], num[..., d:] + self.eps)
+        return out
+
+    def _window_biases(self, window_hw, origin, dtype) -> Tuple[Tensor, Tensor]:
+        """:meth:`attend_windows`' biases in ``dtype``: ``[N, 2C]`` q's bias and k's bias plus
+        the window's positional encoding, ``[C]`` v's bias. Kept per window, origin and dtype
+        while the parameters are unchanged (:func:`tensor_state`)."""
+        c = self.embed_dims
+        bias, pos = self.qkv.bias, self.positional_encoding
+        key = (tuple(window_hw), tuple(origin), dtype, tensor_state(bias, pos))
+        cache = self._bias_cache
+        if key not in cache:
+            if bias is None:
+                bias = pos.new_zeros(3 * c)
+            n = window_hw[0] * window_hw[1]
+            b_q, b_k, b_v = bias.detach().to(dtype).split(c)
+            pos = self._positional_encoding(window_hw, origin)[0].detach().to(dtype)
+            if len(cache) > 16:
+                cache.clear()
+            cache[key] = (torch.cat([b_q.expand(n, c), b_k + pos], dim=1), b_v)
+        return cache[key]
 
     def _tiled_dwc(self, v_map: Tensor) -> Tensor:
         """The DWC shared by all heads as one depth-wise conv over all ``C`` channels (its

@@ -176,6 +176,11 @@ class WindowKernelBase(nn.Module):
     #: ``attend_token_major``: windows ``[N, B', C]`` (exported graphs, ``token_major`` heads)
     has_token_major_form = False
 
+    #: Whether ``attend_windows`` exists: eager inference on window tokens before ``qkv``,
+    #: run by :class:`~mmslab.models.layers.shift_window.ShiftWindowAttention` in chunks of
+    #: windows (see :meth:`~mmslab.models.layers.linear_attention.SLA.attend_windows`).
+    attends_windows = False
+
     #: Whether :meth:`attend_tokens` exists (the ``split`` exported layout, see
     #: :mod:`~mmslab.models.layers.export_mode`).
     attends_tokens = False
