@@ -159,8 +159,9 @@ def main(argv=None):
         print(f"  window softmax {shape}: sdpa {choice['sdpa_ms']:.2f} ms, matmul "
               f"{choice['matmul_ms']:.2f} ms -> {choice['impl']}")
     for key, choice in report['masked_windows'].items():
-        print(f"  masked windows {key}: compact {choice['compact_ms']:.2f} ms, padded "
-              f"{choice['padded_ms']:.2f} ms -> {choice['impl']}")
+        timed = ', '.join(f"{name[:-3]} {ms:.2f} ms" for name, ms in choice.items()
+                          if name.endswith('_ms'))
+        print(f"  masked windows {key}: {timed} -> {choice['impl']}")
     with open(osp.join(args.out, 'backbone_speed.json'), 'w') as f:
         json.dump(report, f, indent=2)
     plot(results, osp.join(args.out, 'backbone_speed.png'))

@@ -380,11 +380,13 @@ def test_sla_windows_cropped_to_their_valid_span_match_the_padded_formula(form, 
                 assert attn._layout(*hw, x.device)['compact'] is not None
 
 
-def test_masked_windows_auto_times_both_forms_once_per_shape(monkeypatch):
-    """Eager inference picks cropped groups or padded windows by timing both once per shape:
-    the faster is cached and reported, the output is the formula's either way; training
-    (gradients) and an explicit setting take their form without timing; a map the windows
-    tile has no choice to make; an unknown setting is refused by name."""
+def test_masked_windows_auto_times_the_forms_once_per_shape(monkeypatch):
+    """Eager CPU inference picks cropped groups or padded windows, each whole or in chunks of
+    windows, by timing the candidates once per shape: the fastest of each window form is
+    kept, padded only on a clear win, cached and reported; the output is the formula's
+    whichever wins. A set form is taken without timing (its chunks only in inference);
+    training (gradients) takes the cropped groups; a map the windows tile has only the
+    padded form; an unknown setting is refused by name."""
     from mmslab.models.layers import shift_window as sw
     torch.manual_seed(3)
     attn = ShiftWindowAttention(16, 2, 8, shift=True, attn_type='sla').double().eval()
@@ -402,25 +404,36 @@ def test_masked_windows_auto_times_both_forms_once_per_shape(monkeypatch):
         out = attn(x, (12, 20))
     assert rel_err(out[0], shifted_sla_reference(attn, x[0], (12, 20))) <= 1e-10
     (key, choice), = sw.masked_windows_choices().items()
-    assert key.startswith('SLA 1x240x16 16x24 2 8 8 4 float64 cpu')
-    assert choice['impl'] in ('compact', 'padded')
-    assert (choice['impl'] == 'padded') == (
-        choice['padded_ms'] * sw.PADDED_WINDOWS_MARGIN < choice['compact_ms'])
+    assert key == 'SLA 1x240x16 16x24 2 8 8 4 float64 cpu chunkable'
+    candidates = ('compact', 'padded', 'compact_chunked', 'padded_chunked')
+    ms = {form: choice[f'{form}_ms'] for form in candidates}
+    best = {form: min((form, form + '_chunked'), key=ms.get) for form in ('compact', 'padded')}
+    padded_wins = ms[best['padded']] * sw.PADDED_WINDOWS_MARGIN < ms[best['compact']]
+    assert choice['impl'] == best['padded' if padded_wins else 'compact']
     timed = len(forms)
-    # each form: a warm-up + 3 timed rounds, then the chosen one computes the output
-    assert forms[:-1].count('compact') == forms[:-1].count('padded') == 4
+    # each candidate: a warm-up + 3 timed rounds, then the chosen one computes the output
+    assert all(forms[:-1].count(form) == 4 for form in candidates) and timed == 17
     assert forms[-1] == choice['impl']
     with torch.no_grad():
         attn(x, (12, 20))
     assert forms[timed:] == [choice['impl']]  # cached: no second timing
-    other = 'padded' if choice['impl'] == 'compact' else 'compact'
-    with torch.no_grad(), export_mode(masked_windows=other):
+    with torch.no_grad(), export_mode(masked_windows='padded_chunked'):
+        attn(x, (12, 20))
+    with torch.no_grad(), export_mode(masked_windows='compact'):
         attn(x, (12, 20))
     attn.train()
-    attn(x.requires_grad_(), (12, 20))
+    with export_mode(masked_windows='compact_chunked'):  # chunks only in inference
+        attn(x.requires_grad_(), (12, 20))
+    attn(x, (12, 20))
     attn(torch.randn(1, 16 * 16, 16, dtype=torch.float64, requires_grad=True), (16, 16))
-    assert forms[timed + 1:] == [other, 'compact', 'padded']  # 16x16: tiled by the windows
+    # 16x16: tiled by the windows
+    assert forms[timed + 1:] == ['padded_chunked', 'compact', 'compact', 'compact', 'padded']
     assert len(sw.masked_windows_choices()) == 1
+    attn.eval()
+    with torch.no_grad(), export_mode(linear_attention='heads'):  # no chunks: its own choice
+        out = attn(x.detach(), (12, 20))
+    assert forms[-1] in ('compact', 'padded') and len(sw.masked_windows_choices()) == 2
+    assert rel_err(out[0], shifted_sla_reference(attn, x[0].detach(), (12, 20))) <= 1e-10
     with pytest.raises(ValueError, match="masked_windows='cropped'.*auto, compact, padded"):
         with export_mode(masked_windows='cropped'):
             pass
@@ -685,7 +698,7 @@ def count_chunked_calls(monkeypatch) -> list:
 @pytest.mark.parametrize('values', [1, 10 ** 6])
 def test_sla_eager_inference_in_chunks_matches_the_padded_formula(monkeypatch, shift, masked,
                                                                   values):
-    """Eager CPU inference runs window SLA in chunks of windows (qkv, kernel and proj per
+    """Eager CPU inference of window SLA in chunks of windows (qkv, kernel and proj per
     chunk, ShiftWindowAttention._forward_in_chunks): one window per chunk (``values`` 1) or
     all at once, on cropped groups or padded windows, two images, maps that pad, wrap, end
     in partial windows or fit in one window along an axis: the transcribed formula's
@@ -701,7 +714,7 @@ def test_sla_eager_inference_in_chunks_matches_the_padded_formula(monkeypatch, s
     for hw in [(12, 12), (23, 31), (17, 8), (5, 30), (16, 11), (8, 8)]:
         x = torch.randn(2, hw[0] * hw[1], 16, dtype=torch.float64)
         calls.clear()
-        with torch.no_grad(), export_mode(masked_windows=masked):
+        with torch.no_grad(), export_mode(masked_windows=masked + '_chunked'):
             out = attn(x, hw)
         assert calls and all(b % 2 == 0 for b, _ in calls)  # both images in each chunk
         if values == 1:
@@ -739,7 +752,8 @@ def test_sla_in_chunks_under_bf16_autocast_is_within_bf16_rounding(monkeypatch):
     torch.manual_seed(9)
     attn = ShiftWindowAttention(32, 2, 8, shift=True, attn_type='sla').eval()
     x = torch.randn(1, 12 * 20, 32) * 2 + 1
-    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16), \
+            export_mode(masked_windows='compact_chunked'):
         out = attn(x, (12, 20))
     assert calls and out.dtype == torch.bfloat16
     ref = shifted_sla_reference(attn.double(), x[0].double(), (12, 20))

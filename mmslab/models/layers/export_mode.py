@@ -49,12 +49,15 @@ These choices change the form a layer takes (never its numbers):
   (:func:`~mmslab.models.layers.window_attention.choose_window_softmax`). The process
   default comes from the environment variable ``MMSLAB_WINDOW_SOFTMAX``, read once here at
   import; layers never read the environment.
-* ``masked_windows`` (``auto`` | ``compact`` | ``padded``): how eager inference computes the
+* ``masked_windows`` (``auto`` | ``compact`` | ``padded`` | either ``_chunked``): how eager
+  inference computes the
   windows of a kernel that masks padding (SLA, BiNorm) on a map the windows do not tile:
   ``compact`` crops them to their valid spans, one kernel call per group of equal spans (no
   padded slot computed: least arithmetic), ``padded`` runs every padded window in one call
   with the padded slots masked (fewest kernel launches: what a GPU at batch 1 waits on).
-  ``auto`` times both once per shape
+  Either, suffixed ``_chunked`` (``compact_chunked``), in chunks of windows small enough to
+  stay in cache, where the kernel has that form (SLA) in eager CPU inference, and the whole
+  map elsewhere. ``auto`` times the candidates once per shape
   (:func:`~mmslab.models.layers.shift_window.choose_masked_windows`); training and traced
   graphs take ``compact``. Process default: ``MMSLAB_MASKED_WINDOWS``. The same numbers
   either way.
@@ -74,7 +77,7 @@ HEAD_LAYOUTS = ('window_major', 'token_major')
 RUNTIME_HEAD_LAYOUTS = dict(onnxruntime='token_major', openvino='window_major')
 LINEAR_ATTENTION_FORMS = ('auto', 'heads', 'blockdiag')
 WINDOW_SOFTMAX_CHOICES = ('auto', 'sdpa', 'matmul')
-MASKED_WINDOWS_CHOICES = ('auto', 'compact', 'padded')
+MASKED_WINDOWS_CHOICES = ('auto', 'compact', 'padded', 'compact_chunked', 'padded_chunked')
 #: ``linear_attention='auto'`` takes the block-diagonal form up to this many heads.
 BLOCKDIAG_MAX_HEADS = 6
 

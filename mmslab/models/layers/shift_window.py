@@ -142,51 +142,81 @@ _MASKED_CHOICES = {}
 #: the map is far from a multiple of the window and the two are within 5 % where it is close;
 #: on an H100 at batch 1 padded wins 2.8-6.0x at 512x512, at batch 8 they are within 15 %.
 PADDED_WINDOWS_MARGIN = 1.1
+#: The suffix of a form computed in chunks of windows (``compact_chunked``: see
+#: :meth:`ShiftWindowAttention._forward_in_chunks`).
+CHUNKED = '_chunked'
 
 
 def masked_windows_choices() -> dict:
     """The form :func:`choose_masked_windows` took per shape so far, for benchmark reports:
-    ``{'kernel B x HxW x C heads window shift dtype device': {'impl': ..., 'compact_ms': ...,
-    'padded_ms': ...}}``."""
-    def label(kernel, shape, hw, heads, wh, ww, shift, dtype, device):
+    ``{'kernel B x HxW x C heads window shift dtype device[ chunkable]': {'impl': ...,
+    'compact_ms': ...,
+    'padded_ms': ..., 'compact_chunked_ms': ..., ...}}`` (``dtype``: autocast's where it is
+    on)."""
+    def label(kernel, shape, hw, heads, wh, ww, shift, dtype, device, chunkable):
         return (f"{kernel} {'x'.join(map(str, shape))} {hw[0]}x{hw[1]} {heads} {wh} {ww} "
-                f"{shift} {str(dtype).replace('torch.', '')} {device}")
+                f"{shift} {str(dtype).replace('torch.', '')} {device}" +
+                (' chunkable' if chunkable else ''))
     return {label(*k): dict(v) for k, v in _MASKED_CHOICES.items()}
 
 
 def choose_masked_windows(attn: 'ShiftWindowAttention', x: Tensor, lay: dict) -> str:
-    """``compact`` or ``padded``: how eager ``attn`` computes the windows of a map they do not
-    tile (see ``masked_windows`` in :mod:`~mmslab.models.layers.export_mode`).
+    """How eager ``attn`` computes the windows of ``lay``: ``compact`` or ``padded`` on a map
+    the windows do not tile (see ``masked_windows`` in
+    :mod:`~mmslab.models.layers.export_mode`), ``padded`` (every window) on one they tile;
+    suffixed ``_chunked`` where the kernel's eager CPU inference may run in chunks of
+    windows (:meth:`ShiftWindowAttention._forward_in_chunks`).
 
-    ``auto`` times both forms once per shape on these inputs (best of 3, interleaved) and
-    caches the faster (padded only by a margin, :data:`PADDED_WINDOWS_MARGIN`) per kernel,
-    input shape, padded map, heads, window, shift, dtype and device: the cropped groups
-    compute fewer slots, the padded windows launch fewer kernels, and which wins depends on
-    the device and the batch. Traced graphs always take ``compact`` (their runtimes were
-    measured so); training does unless a form is set."""
+    Where there is more than one candidate, ``auto`` times them once per shape on these
+    inputs (best of 3, interleaved) and caches the choice per kernel, input shape, padded
+    map, heads, window, shift, dtype (autocast's where it is on), device and whether chunks
+    apply: the cropped
+    groups compute fewer slots, the padded windows launch fewer kernels, chunks keep
+    intermediates in cache but take more, smaller products, and which wins depends on the
+    device, the batch, the dtype and the map (the chunks win at 800x1344 in float32 on the
+    CPU measured, the whole map in bf16 at 512x512, where AMX runs the large products). The
+    padded windows are taken over the cropped groups only on a clear win
+    (:data:`PADDED_WINDOWS_MARGIN`). A set form is taken without timing (its chunks only
+    where they apply). Traced graphs always take ``compact``; training does unless a form
+    is set."""
+    tiled = lay.get('compact') is None  # the windows tile the map: only padded windows
     if exporting() or compiling():
-        return 'compact'
+        return 'padded' if tiled else 'compact'
     setting = masked_windows_setting()
-    if setting != 'auto':
-        return setting
+    chunkable = attn._chunked_dtype(x) is not None
+    if setting != 'auto':  # (chunks only where they apply: eager CPU inference)
+        form = 'padded' if tiled else setting.split(CHUNKED)[0]
+        return form + CHUNKED if setting.endswith(CHUNKED) and chunkable else form
     if torch.is_grad_enabled() and x.requires_grad:
-        return 'compact'
+        return 'padded' if tiled else 'compact'
+    forms = ('padded', ) if tiled else ('compact', 'padded')
+    candidates = forms + tuple(form + CHUNKED for form in forms) if chunkable else forms
+    if len(candidates) == 1:
+        return candidates[0]
     kernel = attn.w_msa
+    dtype = torch.get_autocast_dtype(x.device.type) \
+        if torch.is_autocast_enabled(x.device.type) else x.dtype
     # (raw values, formatted only for reports: this runs in every forward)
     key = (type(kernel).__name__, tuple(x.shape), lay['cache_key'][:2], kernel.num_heads,
-           lay['wh'], lay['ww'], attn.shift_size, x.dtype, x.device.type)
+           lay['wh'], lay['ww'], attn.shift_size, dtype, x.device.type, chunkable)
     choice = _MASKED_CHOICES.get(key)
     if choice is None:
         best = fastest_ms({form: (lambda form=form: attn._windows_forward(x, lay, form))
-                           for form in ('compact', 'padded')}, x.device)
+                           for form in candidates}, x.device)
+        # per window form, the faster of whole and chunked
+        fastest = {form: min((f for f in best if f.split(CHUNKED)[0] == form), key=best.get)
+                   for form in forms}
+        impl = fastest[forms[0]]
         # padded only on a clear win: a choice that flips on noise would change the rounding
         # of the outputs from one run to the next
-        impl = 'padded' if best['padded'] * PADDED_WINDOWS_MARGIN < best['compact'] else 'compact'
+        if len(forms) > 1 and \
+                best[fastest['padded']] * PADDED_WINDOWS_MARGIN < best[fastest['compact']]:
+            impl = fastest['padded']
         choice = dict(impl=impl, **{f'{form}_ms': ms for form, ms in best.items()})
         _MASKED_CHOICES[key] = choice
-        print_log(f'masked windows {key}: compact {choice["compact_ms"]:.2f} ms, padded '
-                  f'{choice["padded_ms"]:.2f} ms -> {choice["impl"]}', logger='current',
-                  level=logging.DEBUG)
+        print_log(f'masked windows {key}: ' +
+                  ', '.join(f'{form} {ms:.2f} ms' for form, ms in best.items()) +
+                  f' -> {impl}', logger='current', level=logging.DEBUG)
     return choice['impl']
 
 
@@ -627,16 +657,21 @@ class ShiftWindowAttention(nn.Module):
                 raise ValueError(f'input has {int(x.shape[1])} tokens but hw_shape {hw_shape} '
                                  f'has {h * w}')
             lay = self._layout(h, w, x.device)
-        form = 'padded' if lay.get('compact') is None else choose_masked_windows(self, x, lay)
-        return self._windows_forward(x, lay, form)
+        return self._windows_forward(x, lay, choose_masked_windows(self, x, lay))
 
     def _windows_forward(self, x: Tensor, lay: dict, form: str) -> Tensor:
         """The attention on the windows of ``lay`` (:meth:`_layout` or :meth:`_graph_layout`),
         ``proj`` included: ``compact`` (the cropped groups of ``lay['compact']``) or
-        ``padded`` (every window, padded slots masked or filled)."""
+        ``padded`` (every window, padded slots masked or filled), either suffixed
+        ``_chunked``: in chunks of windows (:meth:`_forward_in_chunks`)."""
         kernel = self.w_msa
-        dtype = self._chunked_dtype(x)
-        if dtype is not None:
+        form, chunked = form.split(CHUNKED)[0], form.endswith(CHUNKED)
+        if chunked:
+            dtype = self._chunked_dtype(x)
+            if dtype is None:
+                raise ValueError('windows in chunks need eager CPU inference in float32, '
+                                 'float64 or bf16, a kernel with attend_windows and the auto '
+                                 'linear-attention form')
             groups = lay['compact']['groups'] if form == 'compact' else [dict(
                 count=lay['num_windows'], hw=(lay['wh'], lay['ww']), origin=(0, 0),
                 valid=lay['valid'], gather_any=lay['gather'],
