@@ -202,3 +202,44 @@ def test_fused_backbone_takes_a_non_contiguous_image(name):
             for image in (x, x.contiguous(memory_format=torch.channels_last)):
                 for r, o in zip(ref, model(image)):
                     assert rel_err(o, r) < 1e-5
+
+
+def test_fused_slab_swin_in_chunks_on_real_photographs(tmp_path, monkeypatch):
+    """Real photographs (portrait, landscape, panorama: not square, no multiple of the
+    windows) through a small fused SLAB-Swin in eager inference: SLA in chunks of windows
+    (two windows a chunk here), on cropped groups or padded windows, gives the features of
+    the whole-map per-head form (each path is held against the transcribed formula in
+    test_layers), and so do its detections' inputs in every stage."""
+    import cv2
+    from glob import glob
+
+    from conftest import make_photo_coco
+    from mmslab.datasets import COCO_DEMO_CLASSES
+    from mmslab.models import SLABSwin
+    from mmslab.models.layers.export_mode import export_mode
+    from mmslab.models.layers.shift_window import ShiftWindowAttention
+    root = make_photo_coco(str(tmp_path), COCO_DEMO_CLASSES)
+    paths = sorted(glob(f'{root}/val2017/*.jpg'))
+    mean, std = np.array([123.675, 116.28, 103.53]), np.array([58.395, 57.12, 57.375])
+    images = []
+    for path in paths:  # half size: 300x256, 190x300, 65x256
+        img = cv2.imread(path)[::2, ::2, ::-1]
+        images.append(torch.from_numpy(((img - mean) / std).astype(np.float32))
+                      .permute(2, 0, 1)[None])
+    assert len({tuple(x.shape[2:]) for x in images}) == 3
+    torch.manual_seed(0)
+    model = SLABSwin(embed_dims=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8),
+                     window_size=(14, 7, 7, 7), out_indices=(0, 1, 2, 3))
+    model.init_weights()
+    randomize_bn_statistics(model)
+    model = mmslab.reparameterize(model.eval())
+    monkeypatch.setattr(ShiftWindowAttention, 'chunk_values', 2 * 14 * 14 * 32)
+    with torch.no_grad():
+        for x in images:
+            with export_mode(masked_windows='compact', linear_attention='heads'):
+                ref = model(x)
+            for form in ('compact_chunked', 'padded_chunked'):
+                with export_mode(masked_windows=form):
+                    out = model(x)
+                for r, o in zip(ref, out):
+                    assert rel_err(o, r) <= 1e-5, (form, tuple(x.shape))
