@@ -312,6 +312,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.burst < 1:  # before minutes of exports, not after them
         p.error(f'--burst {args.burst}: must be >= 1 (1: each timed call after other models\')')
+    if args.maskrcnn and 'eager bf16' in args.runtimes:
+        p.error("--runtimes 'eager bf16' with --maskrcnn: under bf16 autocast the whole "
+                "detector's boxes reach mmcv's CPU NMS in bf16, which takes float32 only; "
+                "time 'eager bf16' on backbones (--shapes) or UperNet (--upernet)")
     set_allocator_mode(args.malloc)
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)

@@ -299,6 +299,9 @@ def test_deploy_speed_refuses_a_bad_burst_before_exporting(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         deploy_speed.main(['--shapes', '64x64', '--burst', '0'])
     assert '--burst 0: must be >= 1' in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # mmcv's CPU NMS takes no bf16 boxes
+        deploy_speed.main(['--maskrcnn', '--runtimes', 'eager', 'eager bf16'])
+    assert "'eager bf16' with --maskrcnn" in capsys.readouterr().err
 
 
 def test_backbone_speed_groups_precisions_and_batch_sizes(tmp_path, monkeypatch):
