@@ -236,9 +236,8 @@ class SLA(Reparameterizable, WindowKernelBase):
         so the DWC reads it as a channels-last map without a copy; the per-head products
         run on strided per-head views (no transposed copies, a third or a sixth of the
         block-diagonal form's multiply-adds), numerator and normalizer from one product
-        ``q_h [S_h | z_h]``,
-        and each head's quotient is added in place to the DWC's output. ``valid``:
-        ``[B', N]`` (padded slots: any finite token; their outputs are not read)."""
+        ``q_h [S_h | z_h]``, and each head's quotient is added in place to the DWC's output.
+        ``valid``: ``[B', N]`` (padded slots: any finite token; their outputs are not read)."""
         bw, n, c = x.shape
         h, d = self.num_heads, self.head_dims
         wh, ww = window_hw
@@ -278,14 +277,17 @@ class SLA(Reparameterizable, WindowKernelBase):
         key = (tuple(window_hw), tuple(origin), dtype, tensor_state(bias, pos))
         cache = self._bias_cache
         if key not in cache:
-            if bias is None:
-                bias = pos.new_zeros(3 * c)
             n = window_hw[0] * window_hw[1]
-            b_q, b_k, b_v = bias.detach().to(dtype).split(c)
-            pos = self._positional_encoding(window_hw, origin)[0].detach().to(dtype)
-            if len(cache) > 16:
+            # plain tensors even when made in inference mode (see _head_masks)
+            with torch.inference_mode(False), torch.no_grad():
+                if bias is None:
+                    bias = pos.new_zeros(3 * c)
+                b_q, b_k, b_v = bias.to(dtype).split(c)
+                pos = self._positional_encoding(window_hw, origin)[0].to(dtype)
+                biases = (torch.cat([b_q.expand(n, c), b_k + pos], dim=1), b_v.clone())
+            if len(cache) >= 64:  # (about ten per input size)
                 cache.clear()
-            cache[key] = (torch.cat([b_q.expand(n, c), b_k + pos], dim=1), b_v)
+            cache[key] = biases
         return cache[key]
 
     def _tiled_dwc(self, v_map: Tensor) -> Tensor:

@@ -150,9 +150,8 @@ CHUNKED = '_chunked'
 def masked_windows_choices() -> dict:
     """The form :func:`choose_masked_windows` took per shape so far, for benchmark reports:
     ``{'kernel B x HxW x C heads window shift dtype device[ chunkable]': {'impl': ...,
-    'compact_ms': ...,
-    'padded_ms': ..., 'compact_chunked_ms': ..., ...}}`` (``dtype``: autocast's where it is
-    on)."""
+    'compact_ms': ..., 'padded_ms': ..., 'compact_chunked_ms': ..., ...}}`` (``dtype``:
+    autocast's where it is on; ``chunkable``: chunks were candidates)."""
     def label(kernel, shape, hw, heads, wh, ww, shift, dtype, device, chunkable):
         return (f"{kernel} {'x'.join(map(str, shape))} {hw[0]}x{hw[1]} {heads} {wh} {ww} "
                 f"{shift} {str(dtype).replace('torch.', '')} {device}" +
@@ -170,10 +169,9 @@ def choose_masked_windows(attn: 'ShiftWindowAttention', x: Tensor, lay: dict) ->
     Where there is more than one candidate, ``auto`` times them once per shape on these
     inputs (best of 3, interleaved) and caches the choice per kernel, input shape, padded
     map, heads, window, shift, dtype (autocast's where it is on), device and whether chunks
-    apply: the cropped
-    groups compute fewer slots, the padded windows launch fewer kernels, chunks keep
-    intermediates in cache but take more, smaller products, and which wins depends on the
-    device, the batch, the dtype and the map (the chunks win at 800x1344 in float32 on the
+    apply: the cropped groups compute fewer slots, the padded windows launch fewer kernels,
+    chunks keep intermediates in cache but take more, smaller products, and which wins
+    depends on the device, the batch, the dtype and the map (the chunks win at 800x1344 in float32 on the
     CPU measured, the whole map in bf16 at 512x512, where AMX runs the large products). The
     padded windows are taken over the cropped groups only on a clear win
     (:data:`PADDED_WINDOWS_MARGIN`). A set form is taken without timing (its chunks only
@@ -439,8 +437,8 @@ class ShiftWindowAttention(nn.Module):
         (padded slots to a spare row).
 
         SLA's unfused steps each read and write the whole map; per chunk, they work on what
-        the previous step left in cache (its eager inference 25-35 % faster at 800x1344
-        on the CPU measured, docs/benchmarks.md)."""
+        the previous step left in cache (its blocks 20-35 % faster in float32 at 800x1344 on
+        the CPU measured, docs/benchmarks.md)."""
         kernel = self.w_msa
         b, c = x.shape[0], kernel.embed_dims
         x = x.to(dtype)
