@@ -280,7 +280,7 @@ class SLA(Reparameterizable, WindowKernelBase):
     def _window_biases(self, window_hw, origin, dtype) -> Tuple[Tensor, Tensor]:
         """:meth:`attend_windows`' biases in ``dtype``: ``[N, 2C]`` q's bias and k's bias plus
         the window's positional encoding, ``[C]`` v's bias. Kept per window, origin and dtype
-        while the parameters are unchanged (:func:`tensor_state`)."""
+        while the parameters are unchanged (:func:`tensor_state`), up to 16 entries."""
         c = self.embed_dims
         bias, pos = self.qkv.bias, self.positional_encoding
         key = (tuple(window_hw), tuple(origin), dtype, tensor_state(bias, pos))
@@ -294,7 +294,9 @@ class SLA(Reparameterizable, WindowKernelBase):
                 b_q, b_k, b_v = bias.to(dtype).split(c)
                 pos = self._positional_encoding(window_hw, origin)[0].to(dtype)
                 biases = (torch.cat([b_q.expand(n, c), b_k + pos], dim=1), b_v.clone())
-            if len(cache) >= 64:  # (about ten per input size)
+            # (full windows share entries across input sizes; cropped spans add up to nine
+            # per size: a bound on memory, 2.4 MB an entry at 56 x 56 x 192 in float32)
+            if len(cache) >= 16:
                 cache.clear()
             cache[key] = biases
         return cache[key]
