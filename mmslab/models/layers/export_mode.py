@@ -40,18 +40,18 @@ These choices change the form a layer takes (never its numbers):
   measured (docs/benchmarks.md), ``heads`` above; in a ``token_major`` graph, window SLA
   gathers its windows token-major and takes ``heads`` (``SLA.attend_token_major``: the
   permutations fold into onnxruntime's products, no transposes either). The same numbers
-  every way. Eager CPU inference under ``auto`` takes neither: window SLA runs ``qkv``, its
-  per-head products and ``proj`` in chunks of windows (see
-  :class:`~mmslab.models.layers.shift_window.ShiftWindowAttention`); an explicit form keeps
-  the whole-map computation in that form.
+  every way. Under ``auto``, eager CPU inference may also run window SLA in chunks of
+  windows (``qkv``, the products, per head in float32 and block-diagonal in bf16, and
+  ``proj`` per chunk; see ``masked_windows``); an explicit form keeps the whole-map
+  computation in that form.
 * ``window_softmax`` (``auto`` | ``sdpa`` | ``matmul``): how eager window softmax attention
   is computed; ``auto`` times both once per shape
   (:func:`~mmslab.models.layers.window_attention.choose_window_softmax`). The process
   default comes from the environment variable ``MMSLAB_WINDOW_SOFTMAX``, read once here at
   import; layers never read the environment.
 * ``masked_windows`` (``auto`` | ``compact`` | ``padded`` | either ``_chunked``): how eager
-  inference computes the
-  windows of a kernel that masks padding (SLA, BiNorm) on a map the windows do not tile:
+  inference computes the windows of a kernel that masks padding (SLA, BiNorm) on a map the
+  windows do not tile:
   ``compact`` crops them to their valid spans, one kernel call per group of equal spans (no
   padded slot computed: least arithmetic), ``padded`` runs every padded window in one call
   with the padded slots masked (fewest kernel launches: what a GPU at batch 1 waits on).

@@ -147,6 +147,13 @@ PADDED_WINDOWS_MARGIN = 1.1
 CHUNKED = '_chunked'
 
 
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the layers' products on ``x`` run in: autocast's where it is on for ``x``'s
+    device, else ``x``'s."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def masked_windows_choices() -> dict:
     """The form :func:`choose_masked_windows` took per shape so far, for benchmark reports:
     ``{'kernel B x HxW x C heads window shift dtype device[ chunkable]': {'impl': ...,
@@ -171,8 +178,8 @@ def choose_masked_windows(attn: 'ShiftWindowAttention', x: Tensor, lay: dict) ->
     map, heads, window, shift, dtype (autocast's where it is on), device and whether chunks
     apply: the cropped groups compute fewer slots, the padded windows launch fewer kernels,
     chunks keep intermediates in cache but take more, smaller products, and which wins
-    depends on the device, the batch, the dtype and the map (the chunks win at 800x1344 in float32 on the
-    CPU measured, the whole map in bf16 at 512x512, where AMX runs the large products). The
+    depends on the device, the batch, the dtype and the map (the chunks win at 800x1344 in
+    float32 on the CPU measured, the whole map in bf16 at 512x512). The
     padded windows are taken over the cropped groups only on a clear win
     (:data:`PADDED_WINDOWS_MARGIN`). A set form is taken without timing (its chunks only
     where they apply). Traced graphs always take ``compact``; training does unless a form
@@ -192,8 +199,7 @@ def choose_masked_windows(attn: 'ShiftWindowAttention', x: Tensor, lay: dict) ->
     if len(candidates) == 1:
         return candidates[0]
     kernel = attn.w_msa
-    dtype = torch.get_autocast_dtype(x.device.type) \
-        if torch.is_autocast_enabled(x.device.type) else x.dtype
+    dtype = compute_dtype(x)
     # (raw values, formatted only for reports: this runs in every forward)
     key = (type(kernel).__name__, tuple(x.shape), lay['cache_key'][:2], kernel.num_heads,
            lay['wh'], lay['ww'], attn.shift_size, dtype, x.device.type, chunkable)
@@ -425,8 +431,7 @@ class ShiftWindowAttention(nn.Module):
                 torch.is_grad_enabled() or exporting() or compiling() or \
                 symbolic_shapes_enabled() or linear_attention_setting() != 'auto':
             return None
-        dtype = torch.get_autocast_dtype('cpu') if torch.is_autocast_enabled('cpu') \
-            else x.dtype
+        dtype = compute_dtype(x)
         return dtype if dtype in (torch.float32, torch.float64, torch.bfloat16) else None
 
     def _forward_in_chunks(self, x: Tensor, groups: list, dtype: torch.dtype) -> Tensor:
