@@ -295,8 +295,14 @@ def quantize_openvino(xml_path: str, out_path: str, calibration: Sequence[np.nda
     nncf = import_openvino('nncf')
     model = ov.Core().read_model(xml_path)
     dataset = nncf.Dataset(list(calibration))
-    # adaptive pooling's bin products stay float (see onnx_export.PoolingProduct)
-    ignored = nncf.IgnoredScope(patterns=['.*/pool_product/.*'], validate=False)
+    # adaptive pooling's bin products stay float (see onnx_export.PoolingProduct). Depth-wise
+    # convs stay float, as in onnxruntime (_is_grouped_conv): SLA's DWC reads the V that
+    # K^T V reads, so a quantized DWC shares V's quantizer with it, and OpenVINO's integer
+    # convolutions take unsigned inputs on CPUs without AMX (AVX-512 VNNI), where K^T V
+    # takes signed ones; with no precision that suits both, both ran in float, K^T V with
+    # its quantizers emulated in fp32.
+    ignored = nncf.IgnoredScope(patterns=['.*/pool_product/.*'], types=['GroupConvolution'],
+                                validate=False)
     with warnings.catch_warnings():
         warnings.filterwarnings('ignore', message='overflow encountered in reduce',
                                 category=RuntimeWarning)
