@@ -972,7 +972,11 @@ def test_openvino_compiles_a_free_size_model_for_each_input_shape(tmp_path):
 def test_openvino_int8_runs_the_linear_attention_key_value_product_in_int8(tmp_path):
     """SLA's ``K^T V`` reaches OpenVINO's integer kernels. The keys feed MatMuls only (the
     normalizer sums them with a masked ``ReduceSum``): with the keys also in a product with
-    the float valid mask, OpenVINO dequantized them and ran ``K^T V`` in fp32."""
+    the float valid mask, OpenVINO dequantized them and ran ``K^T V`` in fp32. And V feeds
+    ``K^T V`` and the float depth-wise conv only (NNCF leaves group convolutions alone):
+    with the DWC quantized too, V's one quantizer had to suit an integer convolution
+    (unsigned inputs on CPUs without AMX) and ``K^T V`` (a signed V), and on an AMD EPYC
+    both ran in fp32."""
     pytest.importorskip('nncf')
     import mmslab
     from presets import build_preset
