@@ -27,6 +27,7 @@ import mmslab
 from mmslab.benchmark import (add_device_arguments, autocast_call, check_device_arguments,
                               first_call_timed, measure_interleaved, move_to, parse_shape,
                               summarize)
+from mmslab.models.layers.linear_attention import chunk_product_choices
 from mmslab.models.layers.shift_window import masked_windows_choices
 from mmslab.models.layers.window_attention import window_softmax_choices
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
@@ -151,7 +152,8 @@ def main(argv=None):
                   precisions=args.precisions, batch_sizes=args.batch_size, torch=torch.__version__,
                   settings=settings, results=results, ratios=ratios,
                   window_softmax=window_softmax_choices(),
-                  masked_windows=masked_windows_choices())
+                  masked_windows=masked_windows_choices(),
+                  chunk_products=chunk_product_choices())
     if first_calls:
         report['compile'] = first_calls
     print(f"\nmachine: {machine_line(report['machine'])}")

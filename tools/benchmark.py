@@ -55,6 +55,7 @@ from mmengine.utils import ProgressBar
 import mmslab  # noqa: F401
 from mmslab.deploy.cuda_graph import graph_captures, use_cuda_graphs
 from mmslab.utils.launch import build_model_from_config
+from mmslab.models.layers.linear_attention import chunk_product_choices
 from mmslab.models.layers.shift_window import masked_windows_choices
 from mmslab.models.layers.window_attention import window_softmax_choices
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
@@ -235,7 +236,8 @@ def main(argv=None):
                   references=references, results=results, ratios=ratios(results, name),
                   speedups=speedups(results, references),
                   window_softmax=window_softmax_choices(),
-                  masked_windows=masked_windows_choices())
+                  masked_windows=masked_windows_choices(),
+                  chunk_products=chunk_product_choices())
     if args.cuda_graph:
         report['cuda_graph'] = {k: graph_captures(m) for k, m in variants.items()
                                 if k.endswith(', CUDA graph)')}

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from mmslab.registry import register_model
 from mmslab.utils.tensor_state import tensor_state
+from mmslab.utils.timing import fastest_ms
 from .reparameterizable import Reparameterizable
 from .export_mode import (compiling, exporting, linear_attention_form,
                           symbolic_shapes_enabled)
@@ -43,6 +44,17 @@ def _key_sum(k: Tensor, valid: Optional[Tensor]) -> Tensor:
 
 
 _HEAD_MASKS = {}
+#: :meth:`SLA._chunk_product_form`'s timed choices: ``{(B', N, C, heads, dtype, device):
+#: {'impl': ..., 'heads_ms': ..., 'blockdiag_ms': ...}}``.
+_CHUNK_PRODUCTS = {}
+
+
+def chunk_product_choices() -> dict:
+    """The product form SLA's eager chunks took per chunk shape so far, for benchmark
+    reports: ``{"B'xNxC heads dtype device": {'impl': ..., 'heads_ms': ..., ...}}``."""
+    return {f"{'x'.join(map(str, k[:3]))} {k[3]} {str(k[4]).replace('torch.', '')} {k[5]}":
+            dict(v) for k, v in _CHUNK_PRODUCTS.items()}
+
 
 
 def _head_masks(c: int, h: int, dtype, device) -> Tuple[Tensor, Tensor]:
@@ -236,11 +248,11 @@ class SLA(Reparameterizable, WindowKernelBase):
         so the DWC reads it as a channels-last map without a copy; the per-head products
         run on strided per-head views (no transposed copies, a third or a sixth of the
         block-diagonal form's multiply-adds), numerator and normalizer from one product
-        ``q_h [S_h | z_h]`` (bf16: the block-diagonal form, see below), and each head's
-        quotient is added in place to the DWC's output.
+        ``q_h [S_h | z_h]``, or in the block-diagonal form, whichever is faster on this
+        machine (:meth:`_chunk_product_form`), and the quotient is added in place to the
+        DWC's output.
         ``valid``: ``[B', N]`` (padded slots: any finite token; their outputs are not read)."""
         bw, n, c = x.shape
-        h, d = self.num_heads, self.head_dims
         wh, ww = window_hw
         w_qk, w_v = self.qkv.weight.to(x.dtype).split((2 * c, c))
         bias_qk, bias_v = self._window_biases(window_hw, origin, x.dtype)
@@ -255,19 +267,30 @@ class SLA(Reparameterizable, WindowKernelBase):
         z = torch.bmm(keep.unsqueeze(1), k)  # [B', 1, C] (a product: faster than a strided sum)
         out = self._tiled_dwc(v.view(bw, wh, ww, c).permute(0, 3, 1, 2))
         out = out.permute(0, 2, 3, 1).reshape(bw, n, c)  # (a view: the DWC is channels-last)
-        if x.dtype == torch.bfloat16:
-            # bf16: AMX runs the block-diagonal form's three large products faster than the
-            # per-head form's small ones (measured per SLAB-Swin-T block on an Intel Xeon:
-            # 3-17 % faster at 800x1344; in float32 per-head is up to 16 % faster at stage 2
-            # and within 7 % either way at stage 1)
-            num, den = self._heads_blockdiag(qk[..., :c], k, v, z)
-            out.view(bw, n, h, d).addcdiv_(num, (den + self.eps).unsqueeze(-1))
-            return out
-        # [B', h, N, d] views (no copies); products batched over the windows, one head at a
-        # time, or over the heads, one window at a time, whichever takes fewer calls (small
-        # maps: many groups of one window each)
-        q4, k4, v4, out4 = (t.unflatten(-1, (h, d)).transpose(1, 2)
-                            for t in (qk[..., :c], k, v, out))
+        q = qk[..., :c]
+        form = self._chunk_product_form(q, k, v, z, out)
+        (self._add_heads_blockdiag if form == 'blockdiag' else self._add_heads_split)(
+            q, k, v, z, out)
+        return out
+
+    def _add_heads_blockdiag(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor,
+                             out: Tensor) -> None:
+        """:meth:`attend_windows`' kernel in the block-diagonal form (three large products),
+        its quotient added to ``out`` ``[B', N, C]`` in place."""
+        bw, n, c = q.shape
+        num, den = self._heads_blockdiag(q, k, v, z)
+        out.view(bw, n, self.num_heads, -1).addcdiv_(num, (den + self.eps).unsqueeze(-1))
+
+    def _add_heads_split(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor,
+                         out: Tensor) -> None:
+        """:meth:`attend_windows`' kernel in per-head products on ``[B', h, N, d]`` views (no
+        copies; numerator and normalizer from one ``q_h [S_h | z_h]``), batched over the
+        windows, one head at a time, or over the heads, one window at a time, whichever
+        takes fewer calls (small maps: many groups of one window each); each quotient added
+        to ``out`` ``[B', N, C]`` in place."""
+        bw = q.shape[0]
+        h, d = self.num_heads, self.head_dims
+        q4, k4, v4, out4 = (t.unflatten(-1, (h, d)).transpose(1, 2) for t in (q, k, v, out))
         z4 = z.view(bw, h, d)
         axis = 0 if bw < h else 1
         for i in range(q4.shape[axis]):
@@ -275,7 +298,26 @@ class SLA(Reparameterizable, WindowKernelBase):
             s_z = torch.cat([k_i.transpose(-2, -1) @ v_i, z_i.unsqueeze(-1)], dim=-1)
             num = q_i @ s_z  # [.., N, d + 1]: the numerator and the normalizer
             out_i.addcdiv_(num[..., :d], num[..., d:] + self.eps)
-        return out
+
+    def _chunk_product_form(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor,
+                            out: Tensor) -> str:
+        """``'blockdiag'`` or ``'heads'`` for :meth:`attend_windows` on a chunk of this shape:
+        timed once per chunk shape, heads, dtype and device on these inputs (best of 3,
+        interleaved, on a scratch copy of ``out``) and cached (:func:`chunk_product_choices`).
+        The CPUs measured rank them differently: in bf16 an Intel Xeon's AMX runs the block-
+        diagonal form's three large products 3-17 % faster per SLAB-Swin-T block, an AMD
+        EPYC's AVX-512 (no AMX) runs the per-head products 4-15 % faster."""
+        key = (*q.shape, self.num_heads, q.dtype, q.device.type)
+        choice = _CHUNK_PRODUCTS.get(key)
+        if choice is None:
+            scratch = out.clone()
+            best = fastest_ms({form: (lambda fn=fn: fn(q, k, v, z, scratch)) for form, fn in
+                               (('heads', self._add_heads_split),
+                                ('blockdiag', self._add_heads_blockdiag))}, q.device)
+            choice = dict(impl=min(best, key=best.get),
+                          **{f'{form}_ms': ms for form, ms in best.items()})
+            _CHUNK_PRODUCTS[key] = choice
+        return choice['impl']
 
     def _window_biases(self, window_hw, origin, dtype) -> Tuple[Tensor, Tensor]:
         """:meth:`attend_windows`' biases in ``dtype``: ``[N, 2C]`` q's bias and k's bias plus
