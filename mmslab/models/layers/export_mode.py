@@ -41,9 +41,9 @@ These choices change the form a layer takes (never its numbers):
   gathers its windows token-major and takes ``heads`` (``SLA.attend_token_major``: the
   permutations fold into onnxruntime's products, no transposes either). The same numbers
   every way. Under ``auto``, eager CPU inference may also run window SLA in chunks of
-  windows (``qkv``, the products, per head in float32 and block-diagonal in bf16, and
-  ``proj`` per chunk; see ``masked_windows``); an explicit form keeps the whole-map
-  computation in that form.
+  windows (``qkv``, the products, per head or block-diagonal, whichever a timing on the
+  machine found faster for the chunk's shape, and ``proj`` per chunk; see
+  ``masked_windows``); an explicit form keeps the whole-map computation in that form.
 * ``window_softmax`` (``auto`` | ``sdpa`` | ``matmul``): how eager window softmax attention
   is computed; ``auto`` times both once per shape
   (:func:`~mmslab.models.layers.window_attention.choose_window_softmax`). The process
