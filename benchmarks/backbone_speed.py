@@ -26,7 +26,7 @@ from mmengine.utils import ProgressBar
 import mmslab
 from mmslab.benchmark import (add_device_arguments, autocast_call, check_device_arguments,
                               first_call_timed, measure_interleaved, move_to, parse_shape,
-                              summarize)
+                              summarize, trained_like_parameters)
 from mmslab.models.layers.linear_attention import chunk_product_choices
 from mmslab.models.layers.shift_window import masked_windows_choices
 from mmslab.models.layers.window_attention import window_softmax_choices
@@ -55,6 +55,8 @@ def build_models():
         num_layers=[2, 2, 2, 2])}
     ours = {'PRepBN-Swin-T': PRepBNSwin(), 'SLAB-Swin-T': SLABSwin(),
             'RePa-Swin-T': RePaSwin(), 'PRepBN-PVT-T': PRepBNPVT(arch='tiny')}
+    for m in (*models.values(), *ours.values()):  # trained-like: see trained_like_parameters
+        trained_like_parameters(m)
     g = torch.Generator().manual_seed(0)
     for name, m in ours.items():
         m.eval()

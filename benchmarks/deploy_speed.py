@@ -50,7 +50,8 @@ import torch
 from mmengine.utils import ProgressBar
 
 import mmslab
-from mmslab.benchmark import measure_interleaved, parse_shape, summarize
+from mmslab.benchmark import (measure_interleaved, parse_shape, summarize,
+                              trained_like_parameters)
 from mmslab.deploy.export_info import is_segmentor
 from mmslab.deploy.onnx_export import (DEFAULT_ATTENTION_LAYOUT as DEFAULT_ATTENTION,
                                        export_runtime_graphs)
@@ -90,12 +91,14 @@ def build_backbone(name: str) -> torch.nn.Module:
     if name == 'mmdet Swin-T':
         model = SwinTransformer()
         model.init_weights()
+        trained_like_parameters(model)
         model.eval()  # mmdet's Swin.train() returns None: no chaining
         return model
     from mmslab.models import ReparamSwinTransformer
     model = {'LN Swin-T': ReparamSwinTransformer, 'PRepBN-Swin-T': PRepBNSwin,
              'SLAB-Swin-T': SLABSwin, 'RePa-Swin-T': RePaSwin}[name]()
     model.init_weights()
+    trained_like_parameters(model)  # no zero biases or unit norm scales for runtimes to drop
     with torch.no_grad():  # alpha 0 + BN statistics of real activations: a normalizing model
         for pname, p in model.named_parameters():
             if pname.endswith('.alpha'):
@@ -138,6 +141,7 @@ def build_upernet(config: str, fuse: bool, cfg_options=None) -> torch.nn.Module:
         model.init_weights()
     finally:
         logger.setLevel(level)
+    trained_like_parameters(model)  # (see build_backbone)
     with torch.no_grad():  # alpha 0 + BN statistics of real activations: a normalizing model
         for pname, p in model.backbone.named_parameters():
             if pname.endswith('.alpha'):

@@ -183,5 +183,24 @@ def summarize(ms: Sequence[float]) -> dict:
                 max_ms=s['max_ms'], repeats=s['count'])
 
 
+def trained_like_parameters(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
+    """Give every parameter that initialization left constant (zero biases, unit norm
+    scales) a small random offset (normal, ``std``), as trained weights have; returns
+    ``model``. Runtimes fold constant parameters away (OpenVINO drops an ``Add`` of zeros
+    and a ``Multiply`` by ones), so random-init weights would hand a LayerNorm Swin's zero
+    biases and unit norm scales a speed no trained model has, while the fused models, whose
+    folded norms give every layer a bias, pay for theirs. Parameters named ``alpha``
+    (PRepBN's mixing weight, which the callers set) and scalars are left as they are."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            if name.split('.')[-1] == 'alpha' or flat.numel() < 2 or \
+                    not bool((flat == flat[0]).all()):
+                continue
+            p.add_(torch.randn(p.shape, generator=g).to(p) * std)
+    return model
+
+
 def fused_copy(model: nn.Module) -> nn.Module:
     return reparameterize(copy.deepcopy(model).eval())

@@ -360,3 +360,35 @@ def test_deploy_speed_ratios_carry_their_spread_and_call_a_tie_a_tie(capsys):
     deploy_speed.print_table(rows, 'backbone', '512x512', ['eager'])
     out = capsys.readouterr().out
     assert '9.9 (9-10)' in out and '12.0 (11-12)' in out
+
+
+def test_trained_like_parameters_leaves_no_constant_parameter_for_a_runtime_to_fold():
+    """Random-init weights have zero biases and unit norm scales, which OpenVINO folds away
+    (an Add of zeros, a Multiply by ones): a LayerNorm model would be timed without work a
+    trained one does. The benchmarks' models get small offsets on exactly those parameters;
+    PRepBN's ``alpha`` (set by the caller) and every other parameter stay as they were."""
+    import torch
+    import torch.nn as nn
+    from mmslab.benchmark import trained_like_parameters
+    from mmslab.models.layers import RepBN
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), RepBN(8))
+    nn.init.zeros_(model[1].bias)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trained_like_parameters(model)
+    after = model.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    constant = {n for n, p in model.named_parameters() if p.numel() > 1}
+    constant = {n for n in constant if bool((before[n] == before[n].flatten()[0]).all())}
+    assert changed == constant and {'0.weight', '0.bias', '1.bias'} <= changed
+    assert '1.weight' not in changed and not any(k.endswith('alpha') for k in changed)
+    for name in changed:  # small offsets, no longer constant
+        delta = after[name] - before[name]
+        assert 0 < delta.abs().max() < 0.2 and delta.std() > 0
+    # the benchmark's backbones: no constant parameter left in any of them
+    deploy_speed = load_script('benchmarks/deploy_speed.py')
+    for name in ('mmdet Swin-T', 'LN Swin-T'):
+        backbone = deploy_speed.build_backbone(name)
+        flat = [p.detach().flatten() for p in backbone.parameters() if p.numel() > 1]
+        assert not any(bool((f == f[0]).all()) for f in flat), name

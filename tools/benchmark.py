@@ -64,7 +64,8 @@ from mmslab.utils.plotting import saved_figure
 from mmslab.utils.timing import timing_method
 from mmslab.benchmark import (add_device_arguments, autocast_call, check_device_arguments,
                               fake_batch, first_call_timed, fused_copy, make_runners,
-                              measure_interleaved, move_to, parse_shape, summarize)
+                              measure_interleaved, move_to, parse_shape, summarize,
+                              trained_like_parameters)
 
 
 def parse_args(argv=None):
@@ -152,8 +153,9 @@ def build_model(config: str, checkpoint=None, cfg_options=None, backbone=None):
     if checkpoint:
         from mmengine.runner import load_checkpoint
         load_checkpoint(model, checkpoint, map_location='cpu', strict=True)
-    else:
+    else:  # random weights without the constant ones runtimes would fold away
         model.init_weights()
+        trained_like_parameters(model)
     return model.eval()
 
 
