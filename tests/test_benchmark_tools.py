@@ -355,6 +355,14 @@ def test_deploy_speed_ratios_carry_their_spread_and_call_a_tie_a_tie(capsys):
     assert loss['spread'][1] == pytest.approx(10.0 / 11.0) and loss['verdict'] == 'NOT met'
     win = checks['mmdet Swin-T / PRepBN-Swin-T, eager']
     assert win['spread'][0] == pytest.approx(11.0 / 10.5) and win['verdict'] == 'met'
+    # RePa-Swin-T's bf16-within-1.2x-of-INT8 target holds on AMX CPUs only (elsewhere INT8
+    # wins by more and the ratio is reported without a target)
+    repa = {('RePa-Swin-T', 'ov int8'): [5.0] * 4, ('RePa-Swin-T', 'ov bf16'): [8.0] * 4}
+    for amx, target, verdict in ((True, pytest.approx(1 / 1.2), 'NOT met'), (False, None, None)):
+        line = [t for t in deploy_speed.targets(repa, ['ov bf16', 'ov int8'], 'backbone', amx)
+                if t['what'] == 'RePa-Swin-T ov int8 / best bf16 (ov bf16)']
+        assert len(line) == 1 and line[0]['ratio'] == pytest.approx(5 / 8)
+        assert line[0]['target'] == target and line[0]['verdict'] == verdict
     rows = [dict(kind='backbone', shape='512x512', model=m, runtime=rt,
                  **deploy_speed.summarize(ms)) for (m, rt), ms in res.items()]
     deploy_speed.print_table(rows, 'backbone', '512x512', ['eager'])
