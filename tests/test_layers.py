@@ -789,13 +789,14 @@ def test_sla_chunk_products_are_timed_once_per_chunk_shape(monkeypatch, faster):
     monkeypatch.setattr(la, '_CHUNK_PRODUCTS', {})
     timed, used = [], []
 
-    def fake_fastest(fns, device):
+    def fake_fastest(fns, device, repeat):
         timed.append(sorted(fns))
         for fn in fns.values():  # the forms run (on the scratch copy) as in a real timing
             fn()
         return {'heads': 1.0 if faster == 'heads' else 2.0,
                 'blockdiag': 1.0 if faster == 'blockdiag' else 2.0}
-    monkeypatch.setattr(la, 'fastest_ms', fake_fastest)
+    from mmslab.utils import timing
+    monkeypatch.setattr(timing, 'fastest_ms', fake_fastest)
     for name in ('_add_heads_split', '_add_heads_blockdiag'):
         real = getattr(SLA, name)
         monkeypatch.setattr(SLA, name, lambda self, *a, name=name, real=real:

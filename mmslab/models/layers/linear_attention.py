@@ -21,7 +21,7 @@ from torch import Tensor
 
 from mmslab.registry import register_model
 from mmslab.utils.tensor_state import tensor_state
-from mmslab.utils.timing import fastest_ms
+from mmslab.utils.timing import fastest_choice
 from .reparameterizable import Reparameterizable
 from .export_mode import (compiling, exporting, linear_attention_form,
                           symbolic_shapes_enabled)
@@ -54,7 +54,6 @@ def chunk_product_choices() -> dict:
     reports: ``{"B'xNxC heads dtype device": {'impl': ..., 'heads_ms': ..., ...}}``."""
     return {f"{'x'.join(map(str, k[:3]))} {k[3]} {str(k[4]).replace('torch.', '')} {k[5]}":
             dict(v) for k, v in _CHUNK_PRODUCTS.items()}
-
 
 
 def _head_masks(c: int, h: int, dtype, device) -> Tuple[Tensor, Tensor]:
@@ -277,7 +276,7 @@ class SLA(Reparameterizable, WindowKernelBase):
                              out: Tensor) -> None:
         """:meth:`attend_windows`' kernel in the block-diagonal form (three large products),
         its quotient added to ``out`` ``[B', N, C]`` in place."""
-        bw, n, c = q.shape
+        bw, n = q.shape[:2]
         num, den = self._heads_blockdiag(q, k, v, z)
         out.view(bw, n, self.num_heads, -1).addcdiv_(num, (den + self.eps).unsqueeze(-1))
 
@@ -311,11 +310,9 @@ class SLA(Reparameterizable, WindowKernelBase):
         choice = _CHUNK_PRODUCTS.get(key)
         if choice is None:
             scratch = out.clone()
-            best = fastest_ms({form: (lambda fn=fn: fn(q, k, v, z, scratch)) for form, fn in
-                               (('heads', self._add_heads_split),
-                                ('blockdiag', self._add_heads_blockdiag))}, q.device)
-            choice = dict(impl=min(best, key=best.get),
-                          **{f'{form}_ms': ms for form, ms in best.items()})
+            choice = fastest_choice({form: (lambda fn=fn: fn(q, k, v, z, scratch)) for form, fn in
+                                     (('heads', self._add_heads_split),
+                                      ('blockdiag', self._add_heads_blockdiag))}, q.device)
             _CHUNK_PRODUCTS[key] = choice
         return choice['impl']
 

@@ -18,7 +18,7 @@ from mmengine.model.weight_init import trunc_normal_
 from torch import Tensor
 
 from mmslab.registry import register_model
-from mmslab.utils.timing import fastest_ms
+from mmslab.utils.timing import fastest_choice
 from mmslab.utils.tensor_state import tensor_state
 from .affine import fold_affine_into_next_linear
 from .reparameterizable import Reparameterizable
@@ -426,7 +426,5 @@ def choose_window_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: 
 
 def _time_implementations(q, k, v, mask, scale, repeat: int = 3) -> dict:
     # interleaved, best of `repeat`; CUDA events on a GPU (kernels run asynchronously)
-    times = fastest_ms({name: (lambda fn=fn: fn(q, k, v, mask, scale))
-                        for name, fn in WINDOW_SOFTMAX_IMPLS.items()}, q.device, repeat)
-    impl = min(times, key=times.get)
-    return dict(impl=impl, sdpa_ms=times['sdpa'], matmul_ms=times['matmul'])
+    return fastest_choice({name: (lambda fn=fn: fn(q, k, v, mask, scale))
+                           for name, fn in WINDOW_SOFTMAX_IMPLS.items()}, q.device, repeat)
