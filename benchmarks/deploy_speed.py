@@ -3,7 +3,7 @@ interleaved in one run, for backbones and for whole models.
 
     python benchmarks/deploy_speed.py [--shapes 512x512 800x1344] [--repeat 3] [--threads 2]
         [--burst 1] [--models ...] [--runtimes ...] [--maskrcnn [800x1216]] [--upernet [512x2048]]
-        [--export static|dynamic|both] --out work_dirs/deploy_speed
+        [--export static|dynamic|both] [--rotation runtime|all] --out work_dirs/deploy_speed
 
 Kinds of case:
 
@@ -30,10 +30,16 @@ tools/test.py --backend ... --int8). Each runtime's graph has its own head layou
 row's ``graph`` with SLA's product forms), and onnxruntime
 sessions flush denormal floats on every thread, as the runtime layer opens them. Batch 1.
 
-Forms are interleaved round by round. With ``--burst 1`` (the default) each timed call comes
-right after other forms' calls (their data in the caches, their runtimes' threads just
-stopped); ``--burst N`` times the last of N back-to-back calls of a form, a model serving a
-stream of images. Models with more, smaller passes (SLA's graphs) lose more to the first.
+Models are interleaved round by round within each runtime and precision (``--rotation
+runtime``, the default): a process serving a model runs one runtime, and runtimes rotated
+together slow each other's calls (thread pools of PyTorch, onnxruntime and OpenVINO taking
+turns on the same cores; on an AMD EPYC, 2 threads, OpenVINO INT8 at 512x512 took 40 ms
+rotated with onnxruntime and 60 ms rotated with onnxruntime and eager PyTorch), by a similar
+time for every model, which compresses the ratios. ``--rotation all`` rotates every form of
+the case together. With ``--burst 1`` (the default) each timed call comes right after other
+models' calls (their data in the caches, their runtime's threads just stopped); ``--burst
+N`` times the last of N back-to-back calls of a form, a model serving a stream of images.
+Models with more, smaller passes (SLA's graphs) lose more to the first.
 Prints a table and the targets, writes ``deploy_speed.json`` and ``deploy_speed.png``; the
 JSON records the CPU, ISA and BLAS.
 """
@@ -71,6 +77,7 @@ MODELS = ('mmdet Swin-T', 'LN Swin-T', 'PRepBN-Swin-T', 'SLAB-Swin-T', 'RePa-Swi
 RUNTIMES = ('eager', 'eager bf16', 'ort fp32', 'ort int8', 'ov fp32', 'ov bf16', 'ov int8')
 #: What runs unless --runtimes says otherwise (bf16 forms need a CPU with bf16 units).
 DEFAULT_RUNTIMES = ('eager', 'ort fp32', 'ort int8', 'ov fp32', 'ov int8')
+ROTATIONS = ('runtime', 'all')  # what rotates together (see the module docstring)
 BASELINE = 'mmdet Swin-T'
 CONTROL = 'LN Swin-T'  # mmslab's own LayerNorm Swin-T
 RUNTIME_PREFIXES = dict(onnxruntime='ort ', openvino='ov ')  # runtime -> its rows' prefix
@@ -306,6 +313,9 @@ def main(argv=None):
                    help='calls of a form per round, the last one timed (1: each timed '
                         'call follows other models\' calls, caches cold; more: the '
                         'steady state of a model serving a stream)')
+    p.add_argument('--rotation', choices=ROTATIONS, default='runtime',
+                   help="'runtime': the models rotate within each runtime and precision, "
+                   "one runtime after another; 'all': every form of a case in one rotation")
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--calib-images', type=int, default=4)
     p.add_argument('--maskrcnn', nargs='?', const='800x1216', metavar='HxW',
@@ -337,7 +347,9 @@ def main(argv=None):
         shutil.rmtree(tmp, ignore_errors=True)
     burst = 'each timed call after other models\' calls' if args.burst == 1 else \
         f'each timed call after {args.burst - 1} untimed calls of the same form'
-    print(f'\nmachine: {machine_line(report["machine"])}; {burst}')
+    rotated = 'models rotated within each runtime' if args.rotation == 'runtime' else \
+        'every form rotated together'
+    print(f'\nmachine: {machine_line(report["machine"])}; {rotated}; {burst}')
     for c in report['targets']:
         verdict = '' if c['target'] is None else \
             f" (target >= {c['target']:.2f}: {c['verdict']})"
@@ -359,8 +371,8 @@ def measure_all(args, tmp) -> dict:
     long run that fails late keeps the cases it finished."""
     rows, checks = [], []
     report = dict(machine=machine_info(), threads=args.threads, repeat=args.repeat,
-                  warmup=args.warmup, burst=args.burst, calib_images=args.calib_images, rows=rows,
-                  targets=checks)
+                  warmup=args.warmup, burst=args.burst, rotation=args.rotation,
+                  calib_images=args.calib_images, rows=rows, targets=checks)
     cases = [(s, 'backbone') for s in args.shapes]
     if args.maskrcnn:
         cases.append((args.maskrcnn, 'maskrcnn'))
@@ -414,9 +426,11 @@ def measure_case(args, tmp, shape_text: str, kind: str, rows: list) -> dict:
                 graphs[key] = next((form for r, form in graph_forms.items()
                                     if rt.startswith(RUNTIME_PREFIXES[r])), None)
     bar = ProgressBar(len(fns) * args.repeat)
-    keyed = {f'{n} | {r}': f for (n, r), f in fns.items()}
-    times = measure_interleaved(keyed, args.repeat, args.warmup, bar.update,
-                                burst=args.burst)
+    times = {}
+    for group in rotation_groups(list(fns), args.rotation):
+        keyed = {f'{n} | {r}': fns[(n, r)] for n, r in group}
+        times.update(measure_interleaved(keyed, args.repeat, args.warmup, bar.update,
+                                         burst=args.burst))
     print()
     res = {}
     for key, ms in times.items():
@@ -427,6 +441,20 @@ def measure_case(args, tmp, shape_text: str, kind: str, rows: list) -> dict:
             row['graph'] = graphs[(name, rt)]
         rows.append(row)
     return res
+
+
+def rotation_groups(keys: list, rotation: str) -> list:
+    """The ``(model, runtime)`` keys of a case in the rotations that time them, one after
+    another: one per runtime row (``'runtime'``, models interleaved within it), or all at
+    once (``'all'``)."""
+    if rotation not in ROTATIONS:
+        raise ValueError(f'rotation {rotation!r}: expected one of {ROTATIONS}')
+    if rotation == 'all':
+        return [list(keys)]
+    groups = {}
+    for key in keys:
+        groups.setdefault(key[1], []).append(key)
+    return list(groups.values())
 
 
 def export_variants(args) -> list:

@@ -304,6 +304,42 @@ def test_deploy_speed_refuses_a_bad_burst_before_exporting(capsys, monkeypatch):
     assert "'eager bf16' with --maskrcnn" in capsys.readouterr().err
 
 
+def test_deploy_speed_rotates_models_within_each_runtime(monkeypatch, tmp_path):
+    """``--rotation runtime``: each runtime's calls run as one block, models interleaved in
+    it (no other runtime's call between two of its timed calls); ``all``: one rotation of
+    every form, runtimes mixed."""
+    import argparse
+    deploy_speed = load_script('benchmarks/deploy_speed.py')
+    calls = []
+    monkeypatch.setattr(deploy_speed, 'build_backbone', lambda name: name)
+
+    def fake_forms(model, part, shape, runtimes, *a, **k):
+        return {rt: (lambda rt=rt: calls.append((model, rt))) for rt in runtimes}, {}
+
+    monkeypatch.setattr(deploy_speed, 'deploy_forms', fake_forms)
+    models, runtimes = ['LN Swin-T', 'SLAB-Swin-T'], ['eager', 'ort int8', 'ov int8']
+
+    def run(rotation):
+        calls.clear()
+        args = argparse.Namespace(models=models, runtimes=runtimes, export='dynamic',
+                                  attention=deploy_speed.DEFAULT_ATTENTION, threads=1,
+                                  calib_images=1, repeat=3, warmup=1, burst=1,
+                                  rotation=rotation)
+        res = deploy_speed.measure_case(args, str(tmp_path), '32x32', 'backbone', [])
+        assert set(res) == {(m, rt) for m in models for rt in runtimes}
+        assert all(len(ms) == 3 for ms in res.values())
+        return [rt for _, rt in calls]
+
+    order = run('runtime')
+    # one block per runtime: (1 warm-up + 3 timed) calls of each of the two models
+    assert order == [rt for rt in runtimes for _ in range(8)]
+    mixed = run('all')
+    assert sorted(mixed) == sorted(order) and mixed != order
+    assert len({rt for rt in mixed[:6]}) == 3  # a round of 'all' visits every runtime
+    with pytest.raises(ValueError, match="rotation 'models'"):
+        deploy_speed.rotation_groups([('a', 'eager')], 'models')
+
+
 def test_backbone_speed_groups_precisions_and_batch_sizes(tmp_path, monkeypatch):
     from mmslab.utils import machine
     from mmslab.models import RePaSwin
