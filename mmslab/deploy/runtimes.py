@@ -11,7 +11,8 @@ benchmarks):
   optimization (``ORT_ENABLE_ALL``), ``threads`` intra-op threads and one inter-op thread
   (0: onnxruntime's defaults), denormal floats flushed to zero on every thread that computes
   (``flush_denormals``, :mod:`mmslab.deploy.denormals`: masked softmax scores are denormal
-  in onnxruntime's exponential);
+  in onnxruntime's exponential), worker threads that stop spinning when a run returns
+  (:data:`ORT_SPIN_STOP`);
 * OpenVINO (:func:`openvino_config`): ``Core.read_model`` then ``compile_model`` on the CPU
   with the latency hint, ``INFERENCE_PRECISION_HINT`` ``f32`` (on CPUs with bf16 units
   OpenVINO otherwise computes in bf16) or ``bf16``, ``threads`` inference threads.
@@ -128,6 +129,16 @@ def artifact_path(export_dir: str, runtime: str, precision: str) -> str:
 # sessions
 # ----------------------------------------------------------------------------------------------
 
+#: onnxruntime's worker threads spin for work between a session's runs unless told to stop
+#: when a run returns. A spinning worker holds a core while whatever comes next runs: another
+#: session's run, PyTorch, OpenVINO, a pipeline's pre- and post-processing. Measured on an AMD
+#: EPYC (2 threads, 512x512 backbones, onnxruntime INT8): a run right after another
+#: session's took 79 / 100 ms (RePa-Swin-T / the LayerNorm Swin-T) against 52 / 74 ms right
+#: after its own; with the spinning stopped, 53 / 76 ms after either. Runs back to back are as
+#: fast either way (the spinning restarts with the next run).
+ORT_SPIN_STOP = ('session.force_spinning_stop', '1')
+
+
 def ort_session_options(threads: int = 0, flush_denormals: bool = True):
     """The ``onnxruntime.SessionOptions`` of every session (``threads`` 0: its defaults).
 
@@ -137,6 +148,7 @@ def ort_session_options(threads: int = 0, flush_denormals: bool = True):
     import onnxruntime as ort
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.add_session_config_entry(*ORT_SPIN_STOP)
     if flush_denormals:
         opts.add_session_config_entry('session.set_denormal_as_zero', '1')
     if threads:
