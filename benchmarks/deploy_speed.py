@@ -31,12 +31,11 @@ row's ``graph`` with SLA's product forms), and onnxruntime
 sessions flush denormal floats on every thread, as the runtime layer opens them. Batch 1.
 
 Models are interleaved round by round within each runtime and precision (``--rotation
-runtime``, the default): a process serving a model runs one runtime, and runtimes rotated
-together slow each other's calls (thread pools of PyTorch, onnxruntime and OpenVINO taking
-turns on the same cores; on an AMD EPYC, 2 threads, OpenVINO INT8 at 512x512 took 40 ms
-rotated with onnxruntime and 60 ms rotated with onnxruntime and eager PyTorch), by a similar
-time for every model, which compresses the ratios. ``--rotation all`` rotates every form of
-the case together. With ``--burst 1`` (the default) each timed call comes right after other
+runtime``, the default): a process serving a model runs one runtime, and a runtime's call
+right after another runtime's is slower by a similar time for every model, which compresses
+the ratios (AMD EPYC, 2 threads, 512x512, onnxruntime INT8: RePa-Swin-T / the control 68 /
+92 ms rotated with eager PyTorch and OpenVINO, 53 / 77 ms in a rotation of its own).
+``--rotation all`` rotates every form of the case together. With ``--burst 1`` (the default) each timed call comes right after other
 models' calls (their data in the caches, their runtime's threads just stopped); ``--burst
 N`` times the last of N back-to-back calls of a form, a model serving a stream of images.
 Models with more, smaller passes (SLA's graphs) lose more to the first.
