@@ -340,6 +340,38 @@ def test_deploy_speed_rotates_models_within_each_runtime(monkeypatch, tmp_path):
         deploy_speed.rotation_groups([('a', 'eager')], 'models')
 
 
+def test_deploy_speed_detectors_share_the_controls_neck_and_heads():
+    """Whole-detector rows: every model gets the control's neck and head weights (the heads'
+    work depends on them), keeps its own backbone, and a model without a part fails."""
+    import torch
+    import torch.nn as nn
+    deploy_speed = load_script('benchmarks/deploy_speed.py')
+
+    def detector(seed, width=4):
+        torch.manual_seed(seed)
+        model = nn.Module()
+        model.backbone = nn.Linear(3, width)
+        model.neck, model.roi_head = nn.Linear(width, 2), nn.Linear(2, 2)
+        return model
+
+    models = {'SLAB-Swin-T': detector(1), deploy_speed.CONTROL: detector(0),
+              'mmdet Swin-T': detector(2, width=4)}
+    own = {n: m.backbone.weight.clone() for n, m in models.items()}
+    control = models[deploy_speed.CONTROL]
+    assert not torch.equal(models['SLAB-Swin-T'].neck.weight, control.neck.weight)
+    deploy_speed.share_heads(models)
+    for name, model in models.items():
+        assert torch.equal(model.backbone.weight, own[name])
+        for part in ('neck', 'roi_head'):
+            for p, q in zip(getattr(model, part).parameters(),
+                            getattr(control, part).parameters()):
+                assert torch.equal(p, q)
+    partless = detector(3)
+    del partless.roi_head
+    with pytest.raises(ValueError, match="no 'roi_head'"):
+        deploy_speed.share_heads({deploy_speed.CONTROL: detector(0), 'x': partless})
+
+
 def test_backbone_speed_groups_precisions_and_batch_sizes(tmp_path, monkeypatch):
     from mmslab.utils import machine
     from mmslab.models import RePaSwin
