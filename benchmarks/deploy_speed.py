@@ -35,10 +35,11 @@ runtime``, the default): a process serving a model runs one runtime, and a runti
 right after another runtime's is slower by a similar time for every model, which compresses
 the ratios (AMD EPYC, 2 threads, 512x512, onnxruntime INT8: RePa-Swin-T / the control 68 /
 92 ms rotated with eager PyTorch and OpenVINO, 53 / 77 ms in a rotation of its own).
-``--rotation all`` rotates every form of the case together. With ``--burst 1`` (the default) each timed call comes right after other
-models' calls (their data in the caches, their runtime's threads just stopped); ``--burst
-N`` times the last of N back-to-back calls of a form, a model serving a stream of images.
-Models with more, smaller passes (SLA's graphs) lose more to the first.
+``--rotation all`` rotates every form of the case together. With ``--burst 1`` (the
+default) each timed call comes right after other models' calls (their data in the caches,
+their runtime's threads just stopped); ``--burst N`` times the last of N back-to-back calls
+of a form, a model serving a stream of images. Models with more, smaller passes (SLA's
+graphs) lose more to the first.
 Prints a table and the targets, writes ``deploy_speed.json`` and ``deploy_speed.png``; the
 JSON records the CPU, ISA and BLAS.
 """

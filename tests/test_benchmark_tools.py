@@ -347,15 +347,15 @@ def test_deploy_speed_detectors_share_the_controls_neck_and_heads():
     import torch.nn as nn
     deploy_speed = load_script('benchmarks/deploy_speed.py')
 
-    def detector(seed, width=4):
+    def detector(seed):
         torch.manual_seed(seed)
         model = nn.Module()
-        model.backbone = nn.Linear(3, width)
-        model.neck, model.roi_head = nn.Linear(width, 2), nn.Linear(2, 2)
+        model.backbone = nn.Linear(3, 4)
+        model.neck, model.roi_head = nn.Linear(4, 2), nn.Linear(2, 2)
         return model
 
     models = {'SLAB-Swin-T': detector(1), deploy_speed.CONTROL: detector(0),
-              'mmdet Swin-T': detector(2, width=4)}
+              'mmdet Swin-T': detector(2)}
     own = {n: m.backbone.weight.clone() for n, m in models.items()}
     control = models[deploy_speed.CONTROL]
     assert not torch.equal(models['SLAB-Swin-T'].neck.weight, control.neck.weight)
