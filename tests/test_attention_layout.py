@@ -218,7 +218,7 @@ def test_token_major_sla_windows_fold_into_onnxruntimes_products(tmp_path):
         if isinstance(s.blocks[0].attn.w_msa, SLA))]
     # four window groups per block, three per-head products each (S^T, numerator, normalizer)
     # and in shifted blocks the masked key sum: all FusedMatMul, none a plain MatMul behind a
-    # Transpose (unshifted, no window read back holds padding: a plain sum, no V zero row)
+    # Transpose (unshifted, no window read back holds padding: a plain sum, no V mask)
     shifted = sum(isinstance(m, ShiftWindowAttention) and isinstance(m.w_msa, SLA) and
                   m.shift_size > 0 for m in model.modules())
     products = [n for n in sla_nodes if n.op_type in ('MatMul', 'FusedMatMul')
@@ -226,8 +226,12 @@ def test_token_major_sla_windows_fold_into_onnxruntimes_products(tmp_path):
     assert 0 < shifted < sla
     assert len(products) == 4 * (3 * sla + shifted)
     assert all(n.op_type == 'FusedMatMul' for n in products)
-    pads = [n for n in sla_nodes if n.op_type == 'Pad' and '/attn/' in n.name]
-    assert len(pads) == shifted  # V's zero row, in shifted blocks only
+    # each group's tokens gathered once, q, k, v projected there (no zero row padded onto V,
+    # no gather of q, k or v), and the group's output gathered back to the tokens
+    assert not [n for n in sla_nodes if n.op_type == 'Pad' and '/attn/' in n.name]
+    gathers = [n for n in sla_nodes if n.op_type == 'Gather' and '/attn/' in n.name and
+               n.attribute[0].i == 1 and not weights & set(n.input)]  # (token gathers)
+    assert len(gathers) == 5 * sla, [n.name for n in gathers]
     left = [tuple(a.ints) for n in sla_nodes if n.op_type == 'Transpose' for a in n.attribute]
     assert not {(1, 2, 0, 3), (1, 2, 3, 0)} & set(left)
 

@@ -372,11 +372,11 @@ class SLA(Reparameterizable, WindowKernelBase):
         self._tiled_cache = (w, b, key, params)
         return params
 
-    def qkv_parts(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    def qkv_parts(self, x: Tensor, weights=None) -> Tuple[Tensor, Tensor, Tensor]:
         """:meth:`WindowKernelBase.qkv_parts` with ``q`` after its ReLU feature map: graphs
         apply it on the tokens, where runtimes fuse it into the ``q`` MatMul (and where
         there are no padded slots)."""
-        q, k, v = super().qkv_parts(x)
+        q, k, v = super().qkv_parts(x, weights)
         return F.relu(q), k, v
 
     def _heads_split(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor) -> Tuple[Tensor, Tensor]:

@@ -144,12 +144,21 @@ class WindowKernelBase(nn.Module):
         if not self.masks_padding:
             self.qkv_pad = self.qkv.weight.new_zeros(self.qkv.out_features)
 
-    def qkv_parts(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    def qkv_parts(self, x: Tensor, weights=None) -> Tuple[Tensor, Tensor, Tensor]:
         """``qkv`` as three MatMuls: ``[..., C]`` -> q, k, v ``[..., C]`` each. What exported
         graphs of kernels that mask padding compute, so no graph splits the ``3C`` channels
-        (OpenVINO's split of the innermost axis is a slow reference kernel)."""
+        (OpenVINO's split of the innermost axis is a slow reference kernel). ``weights``:
+        :meth:`qkv_weights`, taken once by a caller projecting several groups of windows
+        (one weight initializer each in the graph, not one per group)."""
+        return tuple(x @ w if b is None else x @ w + b
+                     for w, b in (weights or self.qkv_weights()))
+
+    def qkv_weights(self) -> Tuple[Tuple[Tensor, Optional[Tensor]], ...]:
+        """``qkv``'s weight and bias as the three ``(weight [C_in, C], bias [C])`` of q, k
+        and v, the weights transposed: a graph folds each transpose into one initializer
+        however many MatMuls read it (``F.linear`` folds it once per call)."""
         bias = self.qkv.bias.chunk(3) if self.qkv.bias is not None else (None, ) * 3
-        return tuple(F.linear(x, w, b) for w, b in zip(self.qkv.weight.chunk(3), bias))
+        return tuple((w.t(), b) for w, b in zip(self.qkv.weight.chunk(3), bias))
 
     @torch.no_grad()
     def absorb_input_affine(self, scale: Tensor, shift: Tensor) -> None:
