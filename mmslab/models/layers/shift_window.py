@@ -569,7 +569,7 @@ class ShiftWindowAttention(nn.Module):
         ``index`` ``[S]`` and projected there: q, k, v ``[B, S, C]``
         (:meth:`WindowKernelBase.qkv_parts`). One gather of the ``C`` input channels
         where gathering the three projections took three: at 800x1344 (AMD EPYC, 2 threads)
-        SLAB-Swin-T's backbone ran 2-6 % faster in every runtime and precision. ``valid``:
+        SLAB-Swin-T's backbone ran 1-6 % faster in every runtime and precision. ``valid``:
         the slots' mask in ``index``'s order (any shape of ``S`` elements), or None where
         no slot is padded: a padded slot gathers any real token, and only its V must be
         zero (masked kernels mask its key and never read its output back). ``weights``:
