@@ -565,10 +565,10 @@ class ShiftWindowAttention(nn.Module):
         return dict(groups=groups, gather=None, slot=slot.reshape(-1))
 
     def _project_slots(self, x: Tensor, index: Tensor, valid: Optional[Tensor], weights):
-        """Graphs: a group's window slots gathered from the tokens ``x`` ``[B, T, C]`` at
-        ``index`` ``[S]`` and projected there: q, k, v ``[B, S, C]``
-        (:meth:`WindowKernelBase.qkv_parts`). One gather of the ``C`` input channels
-        where gathering the three projections took three: at 800x1344 (AMD EPYC, 2 threads)
+        """Graphs: window slots (a group of cropped windows, or every window) gathered from
+        the tokens ``x`` ``[B, T, C]`` at ``index`` ``[S]`` and projected there: q, k, v
+        ``[B, S, C]`` (:meth:`WindowKernelBase.qkv_parts`). One gather of the ``C`` input
+        channels where gathering the three projections took three: at 800x1344 (AMD EPYC, 2 threads)
         SLAB-Swin-T's backbone ran 1-6 % faster in every runtime and precision. ``valid``:
         the slots' mask in ``index``'s order (any shape of ``S`` elements), or None where
         no slot is padded: a padded slot gathers any real token, and only its V must be
@@ -578,23 +578,6 @@ class ShiftWindowAttention(nn.Module):
         if valid is not None:
             v = v * valid.reshape(1, -1, 1).to(v.dtype)
         return q, k, v
-
-    @staticmethod
-    def _gather_masked_parts(parts, lay: dict):
-        """Graphs of kernels that mask padding: their q, k, v ``[B, T, C]`` (projected on the
-        tokens: no graph splits the ``3C`` channels, see
-        :meth:`WindowKernelBase.qkv_parts`) gathered into the window slots.
-
-        Only V must be zero in a padded slot (masked kernels never read a padded slot's
-        output back, and mask its key), so q and k gather any token there (``gather_any``:
-        the index clamped to a real token) and only V gathers from a zero-padded row (one
-        Pad; a Concat of the pad row is a slow reference kernel in OpenVINO's dynamic
-        graphs)."""
-        q, k, v = parts
-        if not lay['padded']:
-            return tuple(part.index_select(1, lay['gather']) for part in parts)
-        v = F.pad(v, (0, 0, 0, 1)).index_select(1, lay['gather_or_pad'])
-        return q.index_select(1, lay['gather_any']), k.index_select(1, lay['gather_any']), v
 
     @staticmethod
     def _gather_padded(rows: Tensor, pad: Tensor, index: Tensor) -> Tensor:
@@ -617,13 +600,14 @@ class ShiftWindowAttention(nn.Module):
         kernel = self.w_msa
         graph = exporting() or lay['gather'] is None
         if graph and kernel.masks_padding:
-            # Graphs of kernels that mask padding: q, k and v each projected on the tokens and
-            # gathered (V from a zero padded row): three [B, nW*N, C] parts, so no graph splits
-            # the 3C channels (WindowKernelBase.qkv_parts)
-            parts = kernel.qkv_parts(x)
+            # Graphs of kernels that mask padding: three [B, nW*N, C] parts, so no graph
+            # splits the 3C channels (WindowKernelBase.qkv_parts), projected on the gathered
+            # window slots (_project_slots)
             if lay['identity']:
-                return parts
-            return self._gather_masked_parts(parts, lay)
+                return kernel.qkv_parts(x)
+            return self._project_slots(x, lay['gather_any'],
+                                       lay['valid'] if lay['padded'] else None,
+                                       kernel.qkv_weights())
         if lay['identity']:
             return kernel.qkv(x)
         if not lay['padded']:
