@@ -457,7 +457,10 @@ def measure_case(args, tmp, shape_text: str, kind: str, rows: list) -> dict:
     for key, ms in times.items():
         name, rt = key.split(' | ')
         res[(name, rt)] = ms
-        row = dict(kind=kind, shape=shape_text, model=name, runtime=rt, **summarize(ms))
+        # (every round's time too: the spreads are per-round ratios, and a slow round of
+        # every model shows as such)
+        row = dict(kind=kind, shape=shape_text, model=name, runtime=rt, **summarize(ms),
+                   rounds_ms=[round(t, 2) for t in ms])
         if graphs[(name, rt)] is not None:  # the form of the graph timed
             row['graph'] = graphs[(name, rt)]
         rows.append(row)

@@ -9,6 +9,10 @@ import os.path as osp
 import numpy as np
 import torch
 import torch.nn as nn
+# mmengine's ProgressBar binds its default output, sys.stdout, when it is first imported: at
+# collection, pytest's session-long capture; first imported inside a test with capsys, the
+# stream of that test, closed before any later test's progress bar writes to it.
+import mmengine.utils.progressbar  # noqa: F401
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOLS = osp.join(REPO, 'tools')

@@ -325,9 +325,14 @@ def test_deploy_speed_rotates_models_within_each_runtime(monkeypatch, tmp_path):
                                   attention=deploy_speed.DEFAULT_ATTENTION, threads=1,
                                   calib_images=1, repeat=3, warmup=1, burst=1,
                                   rotation=rotation)
-        res = deploy_speed.measure_case(args, str(tmp_path), '32x32', 'backbone', [])
+        rows = []
+        res = deploy_speed.measure_case(args, str(tmp_path), '32x32', 'backbone', rows)
         assert set(res) == {(m, rt) for m in models for rt in runtimes}
         assert all(len(ms) == 3 for ms in res.values())
+        # the JSON rows keep every round's time, in round order
+        assert sorted((r['model'], r['runtime']) for r in rows) == sorted(res)
+        assert all(r['rounds_ms'] == [round(t, 2) for t in res[(r['model'], r['runtime'])]]
+                   for r in rows)
         return [rt for _, rt in calls]
 
     order = run('runtime')
