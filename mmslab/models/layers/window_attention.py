@@ -150,8 +150,12 @@ class WindowKernelBase(nn.Module):
         (OpenVINO's split of the innermost axis is a slow reference kernel). ``weights``:
         :meth:`qkv_weights`, taken once by a caller projecting several groups of windows
         (one weight initializer each in the graph, not one per group)."""
-        return tuple(x @ w if b is None else x @ w + b
-                     for w, b in (weights or self.qkv_weights()))
+        parts = []
+        for w, b in weights or self.qkv_weights():
+            out = x @ w
+            # (the bias in the product's dtype, as F.linear has it under autocast)
+            parts.append(out if b is None else out + b.to(out.dtype))
+        return tuple(parts)
 
     def qkv_weights(self) -> Tuple[Tuple[Tensor, Optional[Tensor]], ...]:
         """``qkv``'s weight and bias as the three ``(weight [C_in, C], bias [C])`` of q, k
