@@ -605,9 +605,8 @@ class ShiftWindowAttention(nn.Module):
             # window slots (_project_slots)
             if lay['identity']:
                 return kernel.qkv_parts(x)
-            return self._project_slots(x, lay['gather_any'],
-                                       lay['valid'] if lay['padded'] else None,
-                                       kernel.qkv_weights())
+            # (lay['valid'] is None exactly where no slot is padded)
+            return self._project_slots(x, lay['gather_any'], lay['valid'], kernel.qkv_weights())
         if lay['identity']:
             return kernel.qkv(x)
         if not lay['padded']:
