@@ -8,7 +8,10 @@ import torch.nn as nn
 import mmslab
 from presets import build_preset
 from mmslab.deploy.cuda_graph import (CUDAGraphModule, _cached_tensors, _flatten, _unflatten,
-                                      graph_captures, release_cuda_graphs, use_cuda_graphs)
+                                      graph_captures, graph_window_forms, release_cuda_graphs,
+                                      use_cuda_graphs)
+from mmslab.models.layers.export_mode import export_mode
+from mmslab.models.layers.shift_window import recording_masked_windows
 
 
 def test_outputs_round_trip_through_their_structure():
@@ -110,3 +113,28 @@ def test_a_weight_change_is_seen_whatever_makes_it():
     assert graphed._weights_changed() and not graphed._weights_changed()
     graphed.release()
     assert graphed._weights_changed()
+
+
+
+def test_the_masked_window_choices_a_forward_makes_are_recorded():
+    """What the wrapper learns before deciding to time graphs of each masked-window form:
+    the forms ``auto`` took on a map SLA's windows (8 in stage 1) do not tile; nothing on a
+    map they tile, nothing where a form is set."""
+    model = build_preset('SLABSwin').eval()
+    with torch.no_grad():
+        with recording_masked_windows() as seen:
+            model(torch.randn(1, 3, 61, 83))
+        # stage 1 (16x21 tokens) and 2 (8x11) hold two SLA blocks each, every one untiled
+        assert len(seen) == 4 and set(seen) <= {'compact', 'padded'}
+        with recording_masked_windows() as seen:
+            model(torch.randn(1, 3, 64, 64))
+        assert seen == []
+        with recording_masked_windows() as seen, export_mode(masked_windows='padded'):
+            model(torch.randn(1, 3, 61, 83))
+        assert seen == []
+    graphed = CUDAGraphModule(nn.Identity())
+    graphed.window_forms['1x3x8x8 float32'] = dict(impl='padded', auto_ms=2.0, padded_ms=1.0)
+    model = nn.Module()
+    model.backbone = graphed
+    assert graph_window_forms(model) == {
+        'backbone: 1x3x8x8 float32': dict(impl='padded', auto_ms=2.0, padded_ms=1.0)}

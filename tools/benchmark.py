@@ -53,7 +53,7 @@ from mmengine.config import DictAction
 from mmengine.utils import ProgressBar
 
 import mmslab  # noqa: F401
-from mmslab.deploy.cuda_graph import graph_captures, use_cuda_graphs
+from mmslab.deploy.cuda_graph import graph_captures, graph_window_forms, use_cuda_graphs
 from mmslab.utils.launch import build_model_from_config
 from mmslab.models.layers.linear_attention import chunk_product_choices
 from mmslab.models.layers.shift_window import masked_windows_choices
@@ -243,6 +243,8 @@ def main(argv=None):
     if args.cuda_graph:
         report['cuda_graph'] = {k: graph_captures(m) for k, m in variants.items()
                                 if k.endswith(', CUDA graph)')}
+        report['cuda_graph_windows'] = {k: graph_window_forms(m) for k, m in variants.items()
+                                        if k.endswith(', CUDA graph)') and graph_window_forms(m)}
     if compiled:
         report['compile'] = dict(backend=args.compile_backend, dynamic=args.compile_dynamic,
                                  first_calls=with_eager_times(compile_runs, results))
@@ -250,6 +252,10 @@ def main(argv=None):
     for key, captures in report.get('cuda_graph', {}).items():
         print(f'{key}: {captures} CUDA graph(s) captured' + (
             '' if captures else ' (WARNING: it ran eagerly; its rows are not graph replays)'))
+        for sig, rec in report['cuda_graph_windows'].get(key, {}).items():
+            print(f'  masked windows of {sig}: ' + ', '.join(
+                f'{k[:-3]} {v:.2f} ms' for k, v in rec.items() if k.endswith('_ms')) +
+                f" -> {rec['impl']} (eager chose {'/'.join(rec['eager'])})")
     with open(osp.join(args.out, 'benchmark.json'), 'w') as f:
         json.dump(report, f, indent=2)
     plot(report, osp.join(args.out, 'benchmark.png'))

@@ -1,6 +1,7 @@
 """(Shifted-)window partitioning around any window attention kernel."""
 import logging
-from typing import Optional, Tuple
+from contextlib import contextmanager
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -154,6 +155,23 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
+_RECORDERS: List[list] = []
+
+
+@contextmanager
+def recording_masked_windows() -> Iterator[List[str]]:
+    """Collects, in the list it yields, the window form (``compact`` or ``padded``, chunked
+    or not) :func:`choose_masked_windows` took under ``auto`` for each call inside the block
+    that had a choice to make (a map the windows do not tile): :class:`~mmslab.deploy.cuda_graph.CUDAGraphModule` learns from it whether a
+    captured forward holds such a choice, and which."""
+    seen = []
+    _RECORDERS.append(seen)
+    try:
+        yield seen
+    finally:
+        _RECORDERS.remove(seen)
+
+
 def masked_windows_choices() -> dict:
     """The form :func:`choose_masked_windows` took per shape so far, for benchmark reports:
     ``{'kernel B x HxW x C heads window shift dtype device[ chunkable]': {'impl': ...,
@@ -221,6 +239,9 @@ def choose_masked_windows(attn: 'ShiftWindowAttention', x: Tensor, lay: dict) ->
         print_log(f'masked windows {key}: ' +
                   ', '.join(f'{form} {ms:.2f} ms' for form, ms in best.items()) +
                   f' -> {impl}', logger='current', level=logging.DEBUG)
+    if _RECORDERS and len(forms) > 1:
+        for seen in _RECORDERS:
+            seen.append(choice['impl'].split(CHUNKED)[0])
     return choice['impl']
 
 
