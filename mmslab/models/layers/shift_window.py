@@ -162,8 +162,9 @@ _RECORDERS: List[list] = []
 def recording_masked_windows() -> Iterator[List[str]]:
     """Collects, in the list it yields, the window form (``compact`` or ``padded``, chunked
     or not) :func:`choose_masked_windows` took under ``auto`` for each call inside the block
-    that had a choice to make (a map the windows do not tile): :class:`~mmslab.deploy.cuda_graph.CUDAGraphModule` learns from it whether a
-    captured forward holds such a choice, and which."""
+    that had a choice to make (a map the windows do not tile):
+    :class:`~mmslab.deploy.cuda_graph.CUDAGraphModule` learns from it whether a captured
+    forward holds such a choice, and which."""
     seen = []
     _RECORDERS.append(seen)
     try:
