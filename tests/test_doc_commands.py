@@ -37,12 +37,13 @@ def commands(text):
 
 @functools.lru_cache(maxsize=None)
 def accepted_flags(script):
-    """The long options of a script: its ``--help`` (Python) or those of the Python scripts a
-    shell wrapper runs."""
+    """The long options of a script: its ``--help`` (Python), or for a shell script those of
+    its own ``case`` branches (``--out)``) and of the Python scripts it runs."""
     path = osp.join(REPO, script)
     if script.endswith('.sh'):
-        flags = set()
-        for name in sorted(set(re.findall(r'\b(\w+)\.py\b', open(path).read()))):
+        text = open(path).read()
+        flags = set(re.findall(r'^\s*(--[\w-]+)(?:\|[\w-]+)*\)', text, re.M))
+        for name in sorted(set(re.findall(r'\b(\w+)\.py\b', text))):
             py = osp.join(osp.dirname(script), f'{name}.py')
             if osp.isfile(osp.join(REPO, py)):
                 flags |= accepted_flags(py)

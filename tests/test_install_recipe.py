@@ -81,3 +81,21 @@ def test_missing_openvino_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, 'nncf', None)
     with pytest.raises(ImportError, match="NNCF is not installed.*optional extra 'openvino'"):
         runtimes.import_openvino('nncf')
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--python', '3', '--torch', '2.11.0', '--arch', '9.0'], "--python '3'"),
+    (['--python', '3.12', '--torch', 'latest', '--arch', '9.0'], "--torch 'latest'"),
+    (['--python', '3.12', '--torch', '2.11.0', '--arch', 'hopper'], "--arch 'hopper'"),
+    (['--python', '3.12', '--torch', '2.11.0'], "--arch ''"),
+    (['--python', '3.12', '--torch', '2.11.0', '--arch', '9.0', '--gpu'],
+     "unknown argument '--gpu'; valid: --python, --torch, --arch"),
+])
+def test_offline_bundle_refuses_bad_arguments_before_any_work(tmp_path, args, message):
+    """tools/offline_bundle.sh names the bad argument and the valid form, and creates
+    nothing (no build environment, no download) before its arguments are checked."""
+    out_dir = tmp_path / 'bundle'
+    code, out = run(['bash', osp.join(REPO_ROOT, 'tools', 'offline_bundle.sh'), *args,
+                     '--out', str(out_dir)], timeout=60)
+    assert code == 2 and message in out, out
+    assert not out_dir.exists()
