@@ -120,5 +120,6 @@ in the mmslab repository, with this bundle at BUNDLE:
 TORCH_CUDA_ARCH_LIST must be set as above: a container's own value (9.0a, say) asks for
 another wheel than the one in the bundle (cache key $KEY).
 EOF
-log "done: $OUT ($(du -sh "$OUT" | cut -f1)): mmcv wheel $(basename "$WHEEL"), $(ls "$OUT/wheels" | wc -l) wheels"
+log "done: $OUT ($(du -sh "$OUT" | cut -f1)): mmcv wheel $(basename "$WHEEL")," \
+    "$(ls "$OUT/wheels" | wc -l) wheels"
 cat "$OUT/INSTALL.txt"
