@@ -15,14 +15,15 @@
 #   --out      the bundle directory (default: bundle): cache/ (the mmcv wheel, in the layout
 #              MMSLAB_WHEELS reads), wheels/ (for PIP_FIND_LINKS), INSTALL.txt
 #   --cache    an mmcv wheel cache to reuse (MMSLAB_WHEELS layout); default OUT/cache
-#   --with-openvino  also openvino and nncf with their requirements (deployment)
+#   --with-openvino  also openvino and nncf with their requirements (deployment; about
+#              120 MB more)
 #
 # Copy the bundle and the repository to the GPU machine and run there what INSTALL.txt says.
 # Building the wheel takes about 25 minutes per arch on 2 cores (once per cache).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-usage() { sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 die() { echo "error: $*" >&2; exit 2; }
 log() { echo "[offline_bundle $(date +%H:%M:%S)] $*"; }
 
@@ -99,15 +100,18 @@ log "downloading wheels for Python $PY_VERSION"
 PACKAGES=(mmengine==0.10.7 mmdet==3.3.0 mmsegmentation==1.2.2 pycocotools ftfy wcwidth regex
           addict yapf platformdirs termcolor terminaltables shapely prettytable rich
           markdown-it-py mdurl pygments)
-DEPS=(--no-deps)
+download() {
+    "$BPY" -m pip download -q --disable-pip-version-check --only-binary=:all: \
+        --python-version "$PY_VERSION" --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d "$OUT/wheels" "$@"
+}
+download --no-deps "${PACKAGES[@]}"
 if [ "$OPENVINO" = 1 ]; then
-    PACKAGES+=('openvino>=2025.0' 'nncf>=2.16')
-    DEPS=()  # (their requirements are many: let pip resolve them)
+    # (their requirements, numpy and scipy among them, with them: pip installs only what the
+    # target lacks)
+    download 'openvino>=2025.0' 'nncf>=2.16'
 fi
-"$BPY" -m pip download -q --disable-pip-version-check "${DEPS[@]}" --only-binary=:all: \
-    --python-version "$PY_VERSION" --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d "$OUT/wheels" "${PACKAGES[@]}"
 
 cat > "$OUT/INSTALL.txt" <<EOF
 On the GPU machine (Python $PY_VERSION, torch $TORCH_VERSION with CUDA $CUDA, GPUs of arch $ARCH),
