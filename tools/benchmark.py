@@ -136,6 +136,8 @@ BASELINES = {
 }
 #: Baselines built by mmslab, timed fused (mmdet's / mmseg's are timed as they are).
 MMSLAB_BASELINES = ('ln_swin_t', )
+#: The end of a graphed variant's name (``'... (fused, CUDA graph)'``).
+GRAPHED_SUFFIX = ', CUDA graph)'
 
 
 def baseline_backbone(config: str, name: str) -> dict:
@@ -192,7 +194,7 @@ def main(argv=None):
     if args.cuda_graph:
         short_names = {v: k for k, v in references.items()}
         for key in [k for k in variants if not k.endswith('(unfused)')]:
-            graphed = key[:-1] + ', CUDA graph)'
+            graphed = key[:-1] + GRAPHED_SUFFIX
             variants[graphed] = use_cuda_graphs(move_to(copy.deepcopy(variants[key]), device))
             if key in short_names:
                 references[f'{short_names[key]}+graph'] = graphed
@@ -241,10 +243,10 @@ def main(argv=None):
                   masked_windows=masked_windows_choices(),
                   chunk_products=chunk_product_choices())
     if args.cuda_graph:
-        report['cuda_graph'] = {k: graph_captures(m) for k, m in variants.items()
-                                if k.endswith(', CUDA graph)')}
-        report['cuda_graph_windows'] = {k: graph_window_forms(m) for k, m in variants.items()
-                                        if k.endswith(', CUDA graph)') and graph_window_forms(m)}
+        graph_variants = {k: m for k, m in variants.items() if k.endswith(GRAPHED_SUFFIX)}
+        report['cuda_graph'] = {k: graph_captures(m) for k, m in graph_variants.items()}
+        forms = {k: graph_window_forms(m) for k, m in graph_variants.items()}
+        report['cuda_graph_windows'] = {k: f for k, f in forms.items() if f}
     if compiled:
         report['compile'] = dict(backend=args.compile_backend, dynamic=args.compile_dynamic,
                                  first_calls=with_eager_times(compile_runs, results))
