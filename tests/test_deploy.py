@@ -976,7 +976,8 @@ def test_openvino_int8_runs_the_linear_attention_key_value_product_in_int8(tmp_p
     ``K^T V`` and the float depth-wise conv only (NNCF leaves group convolutions alone):
     with the DWC quantized too, V's one quantizer had to suit an integer convolution
     (unsigned inputs on CPUs without AMX) and ``K^T V`` (a signed V), and on an AMD EPYC
-    both ran in fp32."""
+    both ran in fp32. The normalizer ``relu(q) Z`` too: two unsigned operands ran in fp32 on
+    that CPU until the second took a signed range (``signed_second_operands``)."""
     pytest.importorskip('nncf')
     import mmslab
     from presets import build_preset
@@ -1000,10 +1001,55 @@ def test_openvino_int8_runs_the_linear_attention_key_value_product_in_int8(tmp_p
     net = core.read_model(int8)
     net.reshape([1, 3, *shape])  # as OpenVINOModel compiles a free-size model
     compiled = core.compile_model(net, 'CPU', openvino_config(threads=1))
-    key_value = []  # MatMuls of two activations of one shape: K^T V (tokens x channels)
+    key_value, others = [], []  # products of two activations (layers with weights: FCs)
     for op in compiled.get_runtime_model().get_ordered_ops():
         info = op.get_rt_info()
-        if info['layerType'].astype(str) == 'MatMul' and op.get_input_size() == 2 and \
-                op.input(0).get_partial_shape() == op.input(1).get_partial_shape():
-            key_value.append(info['runtimePrecision'].astype(str))
+        if info['layerType'].astype(str) == 'MatMul' and op.get_input_size() == 2:
+            # K^T V: two operands of one shape (tokens x channels); q S, q Z: the others
+            same = op.input(0).get_partial_shape() == op.input(1).get_partial_shape()
+            (key_value if same else others).append(info['runtimePrecision'].astype(str))
     assert key_value and all(p in ('u8', 'i8') for p in key_value), key_value
+    assert others and all(p in ('u8', 'i8') for p in others), others
+
+
+def test_openvino_product_of_unsigned_operands_gets_a_signed_second_operand():
+    """``signed_second_operands``: the second quantizer of a product of two non-negative
+    quantized activations maps onto NNCF's signed grid ``k * h / 127``, ``k`` in
+    ``[-128, 127]``, and OpenVINO then computes the product on that grid: the compiled model
+    against a numpy transcription of both quantizers. Quantizers with a signed operand, or a
+    first operand that is signed, are left as they are."""
+    ov = pytest.importorskip('openvino')
+    import openvino.opset13 as ops
+    from mmslab.deploy.quantize import signed_second_operands
+    from mmslab.deploy.runtimes import openvino_config
+
+    def quantizer(x, low, high):
+        c = [ops.constant(np.float32(v)) for v in (low, high, low, high)]
+        return ops.fake_quantize(x, *c, 256)
+
+    a = ops.parameter([2, 6, 32], np.float32)
+    b = ops.parameter([2, 32, 3], np.float32)
+    c = ops.parameter([2, 32, 3], np.float32)
+    product = ops.matmul(quantizer(a, 0.0, 1.5), quantizer(b, 0.0, 40.0), False, False)
+    mixed = ops.matmul(quantizer(a, 0.0, 1.5), quantizer(c, -2.0, 2.0), False, False)
+    model = ov.Model([product, mixed], [a, b, c])
+    assert signed_second_operands(model) == 1
+    ranges = {}
+    for op in model.get_ordered_ops():
+        if op.get_type_name() == 'FakeQuantize':
+            ranges.setdefault(op.output(0).get_target_inputs().pop().get_index(), []).append(
+                [float(op.input_value(i).get_node().get_data().item()) for i in range(1, 5)])
+    second = sorted(ranges[1])
+    assert second[0] == pytest.approx([-40 * 128 / 127, 40, -40 * 128 / 127, 40])
+    assert second[1] == [-2.0, 2.0, -2.0, 2.0]  # signed already: unchanged
+    assert sorted(ranges[0]) == [[0.0, 1.5, 0.0, 1.5]] * 2  # first operands: unchanged
+    rng = np.random.RandomState(0)
+    xa = rng.uniform(0, 1.5, (2, 6, 32)).astype(np.float32)
+    xb = rng.uniform(0, 40, (2, 32, 3)).astype(np.float32)
+    xc = rng.uniform(-2, 2, (2, 32, 3)).astype(np.float32)
+    qa = np.round(xa / 1.5 * 255) * 1.5 / 255
+    qb = np.round(xb / (40 / 127)) * (40 / 127)  # the signed grid, within its range
+    out = ov.Core().compile_model(model, 'CPU', openvino_config(threads=1))([xa, xb, xc])
+    np.testing.assert_allclose(out[0], qa @ qb, rtol=1e-4, atol=1e-3)
+    unsigned = np.round(xb / 40 * 255) * 40 / 255  # the grid it had: a different product
+    assert np.abs(qa @ unsigned - qa @ qb).max() > 1e-2
