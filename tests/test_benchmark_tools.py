@@ -436,6 +436,20 @@ def test_deploy_speed_ratios_carry_their_spread_and_call_a_tie_a_tie(capsys):
                 if t['what'] == 'RePa-Swin-T ov int8 / best bf16 (ov bf16)']
         assert len(line) == 1 and line[0]['ratio'] == pytest.approx(5 / 8)
         assert line[0]['target'] == target and line[0]['verdict'] == verdict
+    # the higher targets of backbones at 800x1344: SLAB-Swin-T 1.1x the control in OpenVINO
+    # bf16 / INT8 (1.0x elsewhere), RePa-Swin-T's INT8 1.5x (1.4x at other sizes)
+    both = {(m, rt): [10.0] * 4 for m in ('LN Swin-T', 'SLAB-Swin-T', 'RePa-Swin-T')
+            for rt in ('ov bf16', 'ov int8', 'ort int8')}
+    for shape, kind, slab, repa_target in (('800x1344', 'backbone', 1.1, 1.5),
+                                          ('512x512', 'backbone', 1.0, 1.4),
+                                          ('800x1344', 'maskrcnn', 1.0, 1.4)):
+        got = {t['what']: t['target'] for t in
+               deploy_speed.targets(both, ['ov bf16', 'ov int8', 'ort int8'], kind, False,
+                                    shape=shape)}
+        assert got['LN control / SLAB-Swin-T, ov bf16'] == slab
+        assert got['LN control / SLAB-Swin-T, ov int8'] == slab
+        assert got['LN control / SLAB-Swin-T, ort int8'] == 1.0
+        assert got['LN control / RePa-Swin-T, ov int8'] == repa_target
     rows = [dict(kind='backbone', shape='512x512', model=m, runtime=rt,
                  **deploy_speed.summarize(ms)) for (m, rt), ms in res.items()]
     deploy_speed.print_table(rows, 'backbone', '512x512', ['eager'])
