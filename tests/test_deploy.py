@@ -1034,6 +1034,14 @@ def test_openvino_product_of_unsigned_operands_gets_a_signed_second_operand():
     mixed = ops.matmul(quantizer(a, 0.0, 1.5), quantizer(c, -2.0, 2.0), False, False)
     model = ov.Model([product, mixed], [a, b, c])
     assert signed_second_operands(model) == 1
+    # a quantizer that is also another product's first operand stays unsigned: signed, that
+    # product would run in fp32
+    e = ops.parameter([2, 32, 32], np.float32)
+    shared = quantizer(e, 0.0, 3.0)
+    both = ov.Model([ops.matmul(quantizer(a, 0.0, 1.5), shared, False, False),
+                     ops.matmul(shared, ops.reshape(shared, [2, 32, 32], False), False, False)],
+                    [a, e])
+    assert signed_second_operands(both) == 0
     ranges = {}
     for op in model.get_ordered_ops():
         if op.get_type_name() == 'FakeQuantize':

@@ -335,6 +335,21 @@ def _constant_node(output):
     return node
 
 
+def _second_operand_only(quantizer) -> bool:
+    """Whether every reader of ``quantizer``'s output (through layout operators) is a MatMul
+    taking it as its second operand: a signed range there cannot turn another product's
+    first operand signed (and that product to fp32)."""
+    pending = list(quantizer.output(0).get_target_inputs())
+    while pending:
+        target = pending.pop()
+        node = target.get_node()
+        if node.get_type_name() in _LAYOUT_OPS:
+            pending.extend(node.output(0).get_target_inputs())
+        elif node.get_type_name() != 'MatMul' or target.get_index() != 1:
+            return False
+    return True
+
+
 def _range(quantizer) -> List[np.ndarray]:
     """A ``FakeQuantize``'s input low / high, output low / high constants (float32)."""
     return [_constant_node(quantizer.input_value(i)).get_data().astype(np.float32)
@@ -351,14 +366,16 @@ def signed_second_operands(model) -> int:
     On an AMD EPYC at 800x1344 SLAB-Swin-T's INT8 backbone took 209.4 instead of 213.2 ms
     (medians of 9, interleaved). The signed range is NNCF's symmetric form, ``[-h * 128/127,
     h]`` in 256 levels (zero exact, a step of ``h / 127``): one bit of the operand's
-    resolution for its non-negative values, the same on CPUs whose AMX takes either sign."""
+    resolution for its non-negative values, the same on CPUs whose AMX takes either sign.
+    Only quantizers read as products' second operands alone are changed."""
     ov = import_openvino()
     changed = 0
     for op in model.get_ordered_ops():
         if op.get_type_name() != 'MatMul':
             continue
         first, second = (_quantizer_of(op.input_value(i)) for i in range(2))
-        if first is None or second is None or second.get_attributes()['levels'] != 256:
+        if first is None or second is None or second.get_attributes()['levels'] != 256 or \
+                not _second_operand_only(second):
             continue
         in_low, in_high, out_low, out_high = _range(second)
         if _range(first)[2].min() < 0 or out_low.min() < 0:
