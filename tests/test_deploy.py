@@ -1061,3 +1061,46 @@ def test_openvino_product_of_unsigned_operands_gets_a_signed_second_operand():
     np.testing.assert_allclose(out[0], qa @ qb, rtol=1e-4, atol=1e-3)
     unsigned = np.round(xb / 40 * 255) * 40 / 255  # the grid it had: a different product
     assert np.abs(qa @ unsigned - qa @ qb).max() > 1e-2
+
+
+def test_openvino_gathers_move_quantized_values():
+    """``quantize_before_gathers``: a token gather whose output is scaled per channel (NNCF's
+    smooth quant), reshaped and quantized for a weight layer has its data quantized instead,
+    where the gather is the data's only reader; OpenVINO then gathers 8-bit values and the
+    outputs are the same. A gather from a tensor that something else reads too is left."""
+    ov = pytest.importorskip('openvino')
+    import openvino.opset13 as ops
+    from mmslab.deploy.quantize import quantize_before_gathers
+    from mmslab.deploy.runtimes import openvino_config
+    rng = np.random.RandomState(0)
+    tokens = ops.parameter([1, -1, 16], np.float32)  # a free token count, as exported
+    pad = ops.constant(rng.randn(1, 1, 16).astype(np.float32))
+    slots = ops.parameter([-1], np.int64)
+
+    def quantized_layer(x, seed):
+        r = np.random.RandomState(seed)
+        scaled = ops.multiply(ops.reshape(x, [-1, 4, 16], False),
+                              ops.constant(r.uniform(0.5, 2, (1, 1, 16)).astype(np.float32)))
+        c = [ops.constant(np.float32(v)) for v in (-3.0, 3.0, -3.0, 3.0)]
+        fq = ops.fake_quantize(scaled, *c, 256)
+        return ops.matmul(fq, ops.constant(r.randn(16, 8).astype(np.float32)), False, False)
+
+    padded = ops.concat([tokens, pad], 1)  # read by the gather only: moved
+    windows = quantized_layer(ops.gather(padded, slots, 1), 1)
+    shared = ops.relu(tokens)  # also read by the output below: left
+    other = quantized_layer(ops.gather(shared, slots, 1), 2)
+    model = ov.Model([windows, other, ops.reduce_sum(shared, [1], False)], [tokens, slots])
+    x = rng.randn(1, 10, 16).astype(np.float32)
+    index = rng.randint(0, 10, 12).astype(np.int64)
+    index[[3, 7]] = 10  # the padded token
+    core = ov.Core()
+    before = core.compile_model(model, 'CPU', openvino_config(threads=1))([x, index])
+    assert quantize_before_gathers(model) == 1
+    compiled = core.compile_model(model, 'CPU', openvino_config(threads=1))
+    after = compiled([x, index])
+    for i in range(3):  # (the kernels' summation order may differ: float rounding only)
+        np.testing.assert_allclose(after[i], before[i], rtol=1e-5, atol=1e-5)
+    gathers = [op.get_rt_info()['runtimePrecision'].astype(str)
+               for op in compiled.get_runtime_model().get_ordered_ops()
+               if op.get_rt_info()['layerType'].astype(str) == 'Gather']
+    assert sorted(gathers) == ['f32', 'u8'] or sorted(gathers) == ['f32', 'i8'], gathers
