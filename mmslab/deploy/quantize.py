@@ -419,8 +419,9 @@ def quantize_before_gathers(model) -> int:
     quantizer reads at most the padded slots the gather drops (the slots of the control's
     padded windows: up to 1.2x the tokens). SLA's groups of windows gather from the token
     stream that the residual addition also reads: not changed. At 800x1344 on an AMD EPYC
-    the LayerNorm Swin-T INT8 backbone took 206.6 instead of 212.6 ms, SLAB-Swin-T 208.5
-    instead of 210.5 (medians of 9, interleaved), with identical outputs."""
+    the LayerNorm Swin-T INT8 backbone took 214.7 instead of 217.2 ms, SLAB-Swin-T 204.1
+    instead of 207.7, RePa-Swin-T 155.4 instead of 162.3 (medians of 9, interleaved), with
+    identical outputs."""
     ov = import_openvino()
     moved = 0
     for fq in list(model.get_ordered_ops()):
