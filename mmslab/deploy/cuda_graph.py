@@ -1,9 +1,9 @@
 """CUDA graphs for inference on a GPU: a module's forward captured once per input signature
 and replayed, so that a call costs one graph launch instead of hundreds of kernel launches.
 
-At batch 1 an H100 spends most of a Swin-T backbone's forward waiting for the host to launch
-its kernels (about 200 of them, a few microseconds each); the methods' savings in arithmetic
-then hide behind launch time. A replayed graph launches all of them at once. Detectors and
+At batch 1 a fast GPU spends most of a Swin-T backbone's forward waiting for the host to
+launch its kernels (about 200 of them); the methods' savings in arithmetic then hide behind
+launch time. A replayed graph launches all of them at once. Detectors and
 segmentors graph their backbone and neck (:func:`use_cuda_graphs`): fixed-shape tensor
 programs, where the heads' proposal and box counts vary from image to image.
 

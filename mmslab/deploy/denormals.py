@@ -6,8 +6,8 @@ denormals-are-zero (DAZ) on its intra-op worker threads only, but the thread tha
 slowest share does. Softmax is where it shows: onnxruntime's exponential clamps its input at
 about -104 and returns a denormal for every masked score (any score more than about 87 below
 its row's maximum, whatever the mask's fill), which the normalization then multiplies. A
-shifted window's Softmax took 3-7x as long as an unshifted one's; with both threads flushed,
-the same.
+shifted window's Softmax took several times as long as an unshifted one's; with both threads
+flushed, the same.
 
 :func:`flushed_denormals` sets FTZ and DAZ in the calling thread's MXCSR for a ``with`` block
 and restores the previous state on exit. It needs x86-64 and glibc's ``fegetenv`` /

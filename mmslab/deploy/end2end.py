@@ -210,7 +210,7 @@ class _PerClassNMS(torch.autograd.Function):
     Exported as one ONNX ``NonMaxSuppression`` with the classes as its batch, the form
     mmdeploy uses: the runtime runs C NMS of P boxes. The offset trick of
     :func:`batched_nms` would run one NMS of up to C * P boxes, quadratic in that count
-    (onnxruntime took 3.1 s of a 4.9 s Mask R-CNN with 80 classes and ``score_thr`` 0).
+    (in onnxruntime most of a Mask R-CNN's time with 80 classes and ``score_thr`` 0).
     """
 
     @staticmethod

@@ -46,7 +46,7 @@ PRECISIONS = ('fp32', 'bf16', 'int8')
 #: What each runtime computes in (onnxruntime: no bf16 on x86 CPUs, :data:`ORT_NO_BF16`).
 RUNTIME_PRECISIONS = dict(onnxruntime=('fp32', 'int8'), openvino=PRECISIONS)
 
-#: Why onnxruntime refuses bf16 (measured with onnxruntime 1.32 on an Intel Xeon with AMX;
+#: Why onnxruntime refuses bf16 (measured with onnxruntime 1.32 on a CPU with AMX bf16 units;
 #: ``benchmarks/ort_bf16_probe.py`` repeats the measurement on the machine at hand).
 ORT_NO_BF16 = ('onnxruntime has no bf16 compute on x86 CPUs: its CPU execution provider has no '
                'bf16 MatMul / Conv kernels (a graph with bf16 MatMuls fails to load: '
@@ -131,11 +131,10 @@ def artifact_path(export_dir: str, runtime: str, precision: str) -> str:
 
 #: onnxruntime's worker threads spin for work between a session's runs unless told to stop
 #: when a run returns. A spinning worker holds a core while whatever comes next runs: another
-#: session's run, PyTorch, OpenVINO, a pipeline's pre- and post-processing. Measured on an AMD
-#: EPYC (2 threads, 512x512 backbones, onnxruntime INT8): a run right after another
-#: session's took 79 / 100 ms (RePa-Swin-T / the LayerNorm Swin-T) against 52 / 74 ms right
-#: after its own; with the spinning stopped, 53 / 76 ms after either. Runs back to back are as
-#: fast either way (the spinning restarts with the next run).
+#: session's run, PyTorch, OpenVINO, a pipeline's pre- and post-processing. With the spinning
+#: on, a run right after another session's is markedly slower than one right after its own;
+#: stopped, both are as fast as the latter (docs/benchmarks.md). Runs back to back are as fast
+#: either way (the spinning restarts with the next run).
 ORT_SPIN_STOP = ('session.force_spinning_stop', '1')
 
 
@@ -239,10 +238,9 @@ class OpenVINOModel(RuntimeModel):
     ``sizes_kept``: a model exported for any input size is compiled again for each input
     shape it meets, the ``sizes_kept`` most recently used kept (0: run the free-size model
     as it is). OpenVINO's CPU plugin fuses far less in a graph of free size (element-wise
-    chains, layout transposes around convolutions): SLAB-Swin-T's backbone at 800 x 1344
-    took about 20 % longer free than fixed. A new shape costs one compile (about a second
-    for a backbone); images resized to a fixed scale and padded to a multiple of 32 come in
-    a few shapes. ``compiles`` counts them.
+    chains, layout transposes around convolutions), so a backbone runs slower free than
+    fixed. A new shape costs one compile; images resized to a fixed scale and padded to a
+    multiple of 32 come in a few shapes. ``compiles`` counts them.
     """
 
     def __init__(self, path: str, threads: int = 0, bf16: bool = False,

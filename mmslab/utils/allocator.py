@@ -2,10 +2,9 @@
 
 PyTorch's CPU tensors come straight from ``malloc``. glibc hands large freed blocks back to
 the kernel (blocks above the mmap threshold, and heap tops above the trim threshold), so each
-forward pass page-faults its activation memory in again. Measured on a 2-core AMD EPYC VM
-(three A/B pairs of processes, 512x512, eager): fused SLAB-Swin-T, the model with the most
-temporaries, 11-12 % faster with freed memory kept; mmdet's Swin-T 2-4 %; PRepBN- and
-RePa-Swin-T within the noise.
+forward pass page-faults its activation memory in again. Keeping freed memory helps most the
+models with the most temporaries (fused SLAB-Swin-T), little or not measurably the others
+(A/B pairs of processes, eager: docs/benchmarks.md).
 The effect depends on the kernel and the VM, so benchmark tools apply it to every model alike
 and record it in their JSON. onnxruntime and OpenVINO use their own memory arenas.
 

@@ -32,8 +32,8 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 MMCV_VERSION = '2.1.0'
-#: Arch list of a CUDA build without a GPU to read it from (``MMSLAB_CUDA=1``): Ampere (A100)
-#: and Hopper (H100/H200) machine code, plus Hopper PTX that newer GPUs compile at load time.
+#: Arch list of a CUDA build without a GPU to read it from (``MMSLAB_CUDA=1``): Ampere (sm_80)
+#: and Hopper (sm_90) machine code, plus Hopper PTX that newer GPUs compile at load time.
 DEFAULT_ARCHS = '8.0;9.0+PTX'
 MODES = ('auto', '0', '1')
 _ARCH_RE = re.compile(r'^(\d+)\.(\d+)([a-z]?)(\+PTX)?$')

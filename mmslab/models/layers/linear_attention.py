@@ -196,7 +196,7 @@ class SLA(Reparameterizable, WindowKernelBase):
             else:
                 num, den = self._heads_split(q, k, v, z)
             # eps on [B', N*h], the unit axis after: onnxruntime broadcasts a scalar onto
-            # [..., 1] one element at a time (40x slower than onto [..., h])
+            # [..., 1] one element at a time (far slower than onto [..., h])
             den = (den.reshape(bw, n * h) + self.eps).view(bw, n, h, 1)
             if exporting() or compiling():
                 out = num / den + dwc
@@ -303,9 +303,8 @@ class SLA(Reparameterizable, WindowKernelBase):
         """``'blockdiag'`` or ``'heads'`` for :meth:`attend_windows` on a chunk of this shape:
         timed once per chunk shape, heads, dtype and device on these inputs (best of 3,
         interleaved, on a scratch copy of ``out``) and cached (:func:`chunk_product_choices`).
-        The CPUs measured rank them differently: in bf16 an Intel Xeon's AMX runs the block-
-        diagonal form's three large products 3-17 % faster per SLAB-Swin-T block, an AMD
-        EPYC's AVX-512 (no AMX) runs the per-head products 4-15 % faster."""
+        CPUs rank them differently: in bf16 one with AMX runs the block-diagonal form's three
+        large products faster, one with AVX-512 but no AMX the per-head products."""
         key = (*q.shape, self.num_heads, q.dtype, q.device.type)
         choice = _CHUNK_PRODUCTS.get(key)
         if choice is None:

@@ -73,8 +73,8 @@ class PatchEmbed(_NormFoldingLayer):
         k, s = self.patch_size, self.stride
         # Channels-last conv output makes the [B, H*W, C] tokens a contiguous view: every
         # later Linear and residual add then runs on contiguous memory. Converted before
-        # padding (which keeps the layout): converting the padded image costs more, 3x under
-        # torch.compile with a symbolic padding.
+        # padding (which keeps the layout): converting the padded image costs more, most of
+        # all under torch.compile with a symbolic padding.
         x = x.contiguous(memory_format=torch.channels_last)
         # (torch.compile: dynamo's symbolic sizes, the same formula without a branch.)
         if symbolic_shapes_enabled():
@@ -163,7 +163,7 @@ class PatchMerging(_NormFoldingLayer):
             x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))
             # The 2x2 offsets as four strided slices, concatenated (offset-major) or stacked
             # (channel-major): inductor's dynamic-shape code for the reshape-transpose of a
-            # padded map below is 20-70x slower than for these at 128x128 tokens.
+            # padded map below is many times slower than for these.
             parts = [x[:, i::2, j::2] for i in (0, 1) for j in (0, 1)]
             x = (torch.cat(parts, -1) if offset_major else torch.stack(parts, -1)).reshape(
                 b, h2 * w2, 4 * c)

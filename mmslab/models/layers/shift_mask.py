@@ -21,8 +21,8 @@ from .symbolic import Size
 
 #: Additive shift-mask value between regions. Swin's (mmdet's) -100 leaves the masked
 #: softmax probabilities near exp(-100) ~ 4e-44, denormal floats, which x86 CPUs process
-#: many times slower: onnxruntime's product of those probabilities with V took 4-8 ms in
-#: every shifted block where the unshifted one took 0.3-1.2 ms (Swin-T INT8, 512x512).
+#: many times slower: onnxruntime's product of those probabilities with V made every shifted
+#: block several times slower than an unshifted one.
 #: At -1e4 they are exactly 0, which -100's are to float precision (the same outputs);
 #: fp16 holds it.
 SHIFT_MASK_FILL = -1e4
@@ -69,8 +69,7 @@ class ShiftMaskByType(NamedTuple):
     the gather (:meth:`~mmslab.models.layers.window_attention.WindowMSA` gathers position
     bias + mask per kind), so the graph holds one gather where the mask built from token
     regions took a comparison and a select over ``nW * N * N`` elements and one more pass to
-    add the bias (onnxruntime, Swin-T at 512x512, stage 1: 2.8 ms of a shifted block's
-    15 ms)."""
+    add the bias, a sizeable share of a shifted block's time in onnxruntime."""
     table: Tensor
     window_type: Tensor
 

@@ -139,9 +139,9 @@ def _axis_window_classes(size: Size, win: Size, shift: Size) -> dict:
 
 _MASKED_CHOICES = {}
 #: ``auto`` takes the padded windows when they are this many times faster than the cropped
-#: groups. Measured per SLAB-Swin-T block: on an Intel Xeon CPU cropped wins 1.3-2.3x where
-#: the map is far from a multiple of the window and the two are within 5 % where it is close;
-#: on an H100 at batch 1 padded wins 2.8-6.0x at 512x512, at batch 8 they are within 15 %.
+#: groups. Measured per SLAB-Swin-T block: on a CPU cropped wins where the map is far from a
+#: multiple of the window and the two are close where it is close; on a GPU at batch 1 padded
+#: wins (fewer, larger kernels), at larger batches they are close (docs/benchmarks.md).
 PADDED_WINDOWS_MARGIN = 1.1
 #: The suffix of a form computed in chunks of windows (``compact_chunked``: see
 #: :meth:`ShiftWindowAttention._forward_in_chunks`).
@@ -432,9 +432,8 @@ class ShiftWindowAttention(nn.Module):
     #: Eager CPU inference of kernels with ``attend_windows`` runs ``qkv``, the kernel and
     #: ``proj`` on chunks of windows of about this many input values (tokens x channels,
     #: 4.8 MB in float32), whose intermediates stay in cache between those steps. Measured
-    #: with SLAB-Swin-T at 512x512 and 800x1344 on an Intel Xeon (2 threads): stage 1
-    #: (96 channels) fastest at 12544 tokens a chunk, stage 2 (192) at 3136-6272; the whole
-    #: map at once up to 25 % slower.
+    #: with SLAB-Swin-T at 512x512 and 800x1344 on a CPU: stage 1 (96 channels) fastest at
+    #: 12544 tokens a chunk, stage 2 (192) at 3136-6272; the whole map at once slower.
     chunk_values = 12544 * 96
 
     def _chunked_dtype(self, x: Tensor) -> Optional[torch.dtype]:
@@ -458,8 +457,7 @@ class ShiftWindowAttention(nn.Module):
         (padded slots to a spare row).
 
         SLA's unfused steps each read and write the whole map; per chunk, they work on what
-        the previous step left in cache (its blocks 20-35 % faster in float32 at 800x1344 on
-        the CPU measured, docs/benchmarks.md)."""
+        the previous step left in cache, which makes its blocks faster (docs/benchmarks.md)."""
         kernel = self.w_msa
         b, c = x.shape[0], kernel.embed_dims
         x = x.to(dtype)
@@ -590,8 +588,8 @@ class ShiftWindowAttention(nn.Module):
         """Graphs: window slots (a group of cropped windows, or every window) gathered from
         the tokens ``x`` ``[B, T, C]`` at ``index`` ``[S]`` and projected there: q, k, v
         ``[B, S, C]`` (:meth:`WindowKernelBase.qkv_parts`). One gather of the ``C`` input
-        channels where gathering the three projections took three: at 800x1344 (AMD EPYC, 2 threads)
-        SLAB-Swin-T's backbone ran 1-6 % faster in every runtime and precision. ``valid``:
+        channels where gathering the three projections took three, which made SLAB-Swin-T's
+        backbone faster in every runtime and precision. ``valid``:
         the slots' mask in ``index``'s order (any shape of ``S`` elements), or None where
         no slot is padded: a padded slot gathers any real token, and only its V must be
         zero (masked kernels mask its key and never read its output back). ``weights``:

@@ -399,7 +399,7 @@ def _softmax_matmul(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float)
 
 
 #: The two ways of computing window softmax attention; which is faster depends on the CPU
-#: (on one machine SDPA's flash kernel won 3x, on an AVX-512 EPYC matmul + softmax won).
+#: (SDPA's flash kernel wins on some, plain matmul + softmax on others), hence the timing.
 WINDOW_SOFTMAX_IMPLS = {'sdpa': _softmax_sdpa, 'matmul': _softmax_matmul}
 _CHOICES = {}
 
