@@ -123,12 +123,15 @@ class CPUAmpOptimWrapper(OptimWrapper):
     copies of the model) the model is untouched.
 
     Args:
-        dtype: the autocast dtype; only ``'bfloat16'`` (CPU autocast has no fast float16).
-        autocast_parts: autocast the network parts only (above). False: the whole training
-            step, as ``AmpOptimWrapper`` does on a GPU (for models whose post-processing and
-            losses accept bf16; an mmdet detector's NMS does not).
-        allow_emulated: run on a CPU without bf16 units (avx512_bf16 / amx_bf16), where bf16
-            is emulated and slower than float32. Off: such a CPU is refused.
+        dtype (str | torch.dtype): the autocast dtype; only ``'bfloat16'`` (CPU autocast has
+            no fast float16). Default: 'bfloat16'.
+        autocast_parts (bool): autocast the network parts only (above). False: the whole
+            training step, as ``AmpOptimWrapper`` does on a GPU (for models whose
+            post-processing and losses accept bf16; an mmdet detector's NMS does not).
+            Default: True.
+        allow_emulated (bool): run on a CPU without bf16 units (avx512_bf16 / amx_bf16),
+            where bf16 is emulated and slower than float32. Off: such a CPU is refused.
+            Default: False.
         **kwargs: :class:`~mmengine.optim.OptimWrapper`'s (``optimizer``,
             ``accumulative_counts``, ``clip_grad``).
 

@@ -39,15 +39,20 @@ class PrecisionHook(Hook):
     """Run the test loop's PyTorch model in ``precision``.
 
     Args:
-        precision: 'bf16': the network parts (backbone, neck, heads) under
+        precision (str): 'bf16': the network parts (backbone, neck, heads) under
             ``torch.autocast('cpu', torch.bfloat16)``, float32 in between and after
             (:class:`mmslab.utils.precision.Bf16Regions`; ``torch.autocast('cuda', ...)``
             where the model is on a GPU); refused on CPUs without avx512_bf16 / amx_bf16 and
             on GPUs below compute capability 8.0. 'auto': time fp32 and, where the device has
             bf16, bf16 on the first test batch (``warmup`` + ``repeat`` interleaved test steps
             each) and evaluate in bf16 only if it is at least ``margin`` times faster.
-            'fp32': nothing.
-        warmup, repeat, margin: of the ``auto`` measurement.
+            'fp32': nothing. Default: 'bf16'.
+        warmup (int): untimed test steps per precision of the ``auto`` measurement.
+            Default: :data:`~mmslab.utils.precision.AUTO_WARMUP`.
+        repeat (int): timed test steps per precision of the ``auto`` measurement.
+            Default: :data:`~mmslab.utils.precision.AUTO_REPEAT`.
+        margin (float): how many times faster bf16 must be for ``auto`` to take it.
+            Default: :data:`~mmslab.utils.precision.AUTO_MARGIN`.
 
     Its priority (HIGH) is below ``ReparamEvalHook`` (VERY_HIGH): the bf16 regions are set
     on the fused copy that hook swaps in, and only inside ``predict``, so its fused-vs-

@@ -69,7 +69,7 @@ class ProgressiveNormHook(Hook):
     PRepBN layers are logged as ``prepbn_ratio_min`` / ``prepbn_ratio_max``.
 
     Args:
-        log_ratio: log ``g`` with the training scalars.
+        log_ratio (bool): log ``g`` with the training scalars. Default: True.
     """
 
     priority = 'VERY_HIGH'

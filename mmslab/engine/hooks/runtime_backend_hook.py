@@ -127,19 +127,20 @@ class RuntimeBackendHook(Hook):
     """Run the exported part of the model in onnxruntime / OpenVINO during testing.
 
     Args:
-        export_dir: the directory written by ``tools/export_onnx.py`` (``export.json`` tells
-            the part and the static input shape).
-        runtime: 'onnxruntime' or 'openvino'.
-        int8: run the INT8 artifact (``model_int8.onnx`` / ``openvino/model_int8.xml``);
-            the same as ``precision='int8'``.
-        threads: runtime threads (0: the runtime's default).
-        bf16: OpenVINO computes the fp32 model in bf16 (CPUs with bf16 units only); the same
-            as ``precision='bf16'``.
-        precision: 'fp32', 'bf16', 'int8' or 'auto': time the fp32 model and, in OpenVINO on
-            a CPU with bf16 units, its bf16 form on the first test image and run the one
-            that is at least ``AUTO_MARGIN`` times faster (never INT8, see
+        export_dir (str): the directory written by ``tools/export_onnx.py``
+            (``export.json`` tells the part and the static input shape).
+        runtime (str): 'onnxruntime' or 'openvino'. Default: 'onnxruntime'.
+        int8 (bool): run the INT8 artifact (``model_int8.onnx`` /
+            ``openvino/model_int8.xml``); the same as ``precision='int8'``. Default: False.
+        threads (int): runtime threads (0: the runtime's default). Default: 0.
+        bf16 (bool): OpenVINO computes the fp32 model in bf16 (CPUs with bf16 units only);
+            the same as ``precision='bf16'``. Default: False.
+        precision (str, optional): 'fp32', 'bf16', 'int8' or 'auto': time the fp32 model
+            and, in OpenVINO on a CPU with bf16 units, its bf16 form on the first test image
+            and run the one that is at least ``AUTO_MARGIN`` times faster (never INT8, see
             :mod:`mmslab.utils.precision`). :attr:`precision` is what runs (after the test
-            epoch began, for 'auto'), :attr:`auto_record` the measurement.
+            epoch began, for 'auto'), :attr:`auto_record` the measurement. Default: None
+            (``int8`` and ``bf16`` decide; fp32 where neither is set).
 
     Its priority (HIGH) is below ``ReparamEvalHook`` (VERY_HIGH), which swaps in the fused
     copy first; the methods are patched on that copy, so ``ReparamEvalHook``'s equivalence

@@ -71,6 +71,22 @@ class SpatialReductionAttention(Reparameterizable, PVTAttention):
 
     ``grid`` is not used (the attention is global); deploy folds the norm of the reduced map
     into the k/v rows of the input projection.
+
+    Args:
+        embed_dims (int): The feature dimension.
+        num_heads (int): Parallel attention heads.
+        sr_ratio (int): The spatial reduction ratio of keys and values (a conv of this kernel
+            size and stride); 1: no reduction. Default: 1.
+        grid (tuple[int, int], optional): The pre-training token grid; unused (the common
+            signature of :class:`PVTAttention`). Default: None.
+        qkv_bias (bool): Bias in the q, k, v and output projections. Default: True.
+        attn_drop (float): Dropout rate of the attention weights. Default: 0.0.
+        proj_drop (float): Dropout rate after the output projection. Default: 0.0.
+        norm_cfg (dict, optional): The norm of the reduced map, and the kind of the block's
+            norm (a foldable one gives the input projection a bias in deploy form).
+            Default: None (``dict(type='LN', eps=1e-6)``).
+        deploy (bool): Build the fused structure (see :func:`mmslab.reparameterize`).
+            Default: False.
     """
 
     @property
@@ -152,6 +168,21 @@ class GlobalSLA(Reparameterizable, PVTAttention):
     SLAB authors' SLA-PVT stages ignore them too); ``norm_cfg`` tells whether the block's norm
     is folded into ``qkv`` in deploy form (which then has a bias). That fold is the
     :class:`PVTBlock`'s; the switch of this module has nothing of its own to fuse.
+
+    Args:
+        embed_dims (int): The feature dimension.
+        num_heads (int): Parallel attention heads.
+        sr_ratio (int): Ignored (no spatial reduction). Default: 1.
+        grid (tuple[int, int], optional): The token grid the positional encoding is learned
+            on (the pre-training grid; :class:`ReparamPVT` passes it). Required in fact: the
+            default only completes the common signature. Default: None.
+        qkv_bias (bool): Bias in the q, k, v projection. Default: True.
+        attn_drop (float): Ignored (no softmax weights to drop). Default: 0.0.
+        proj_drop (float): Dropout rate after the output projection. Default: 0.0.
+        norm_cfg (dict, optional): The kind of the block's norm: a foldable one gives ``qkv``
+            a bias in deploy form. Default: None (LayerNorm).
+        deploy (bool): Build the fused structure (see :func:`mmslab.reparameterize`).
+            Default: False.
     """
 
     needs_eval_mode = False
@@ -270,8 +301,56 @@ class ReparamPVT(ReparamBackboneMixin, BaseModule):
     argument is ``pretrain_img_size``: pass arguments by keyword), the number of stages is
     ``len(num_layers)`` (no ``num_stages``), and ``paddings`` / ``use_conv_ffn`` are not
     accepted (PVT v1: no padding, no convolutional FFN); ``convert_weights`` is ignored.
-    ``bn_stats`` and ``deploy`` as in :class:`ReparamSwinTransformer`. Returns a tuple of NCHW
-    maps (strides 4, 8, 16, 32).
+    Returns a tuple of NCHW maps (strides 4, 8, 16, 32).
+
+    Args:
+        arch (str): ``'tiny'``, ``'small'`` or ``'medium'``: the default ``num_layers``.
+            Default: 'tiny'.
+        pretrain_img_size (int | tuple[int, int]): The pre-training image size: the grid of
+            the position embeddings and of global SLA's positional encodings, resized to
+            other inputs. Default: 224.
+        in_channels (int): The number of input channels. Default: 3.
+        embed_dims (int): The feature dimension per head; stage i has
+            ``embed_dims * num_heads[i]`` channels. Default: 64.
+        num_layers (Sequence[int], optional): Blocks per stage. Default: None (``arch``'s).
+        num_heads (Sequence[int]): Attention heads per stage. Default: (1, 2, 5, 8).
+        patch_sizes (Sequence[int]): The patch size of each stage's patch embedding.
+            Default: (4, 2, 2, 2).
+        strides (Sequence[int]): The stride of each stage's patch embedding.
+            Default: (4, 2, 2, 2).
+        sr_ratios (Sequence[int]): The spatial reduction ratio of each stage's softmax
+            attention. Default: (8, 4, 2, 1).
+        out_indices (Sequence[int]): The stages whose outputs are returned.
+            Default: (0, 1, 2, 3).
+        mlp_ratios (Sequence[int]): The FFN's hidden dimension over the stage's channels,
+            per stage. Default: (8, 8, 4, 4).
+        qkv_bias (bool): Bias in the q, k, v projections. Default: True.
+        drop_rate (float): Dropout rate after the attention, in the FFNs and after the
+            position embeddings. Default: 0.0.
+        attn_drop_rate (float): Dropout rate of the softmax attention weights. Default: 0.0.
+        drop_path_rate (float): Stochastic depth rate, rising linearly over the blocks to
+            this value. Default: 0.1.
+        use_abs_pos_embed (bool): A learned position embedding per stage. Default: True.
+        norm_after_stage (bool): A norm after each stage. Default: False.
+        act_cfg (dict, optional): The FFNs' activation. Default: None (GELU).
+        norm_cfg (dict, optional): Every norm (patch embeds, blocks, reductions, after the
+            stages), as ``norm_cfg`` of :class:`ReparamSwinTransformer`.
+            Default: None (``dict(type='LN', eps=1e-6)``).
+        attn_types (str | Sequence[str]): Per stage, ``'softmax'`` (spatial-reduction
+            attention), ``'sla'`` (global SLA) or a registered PVT attention.
+            Default: ('softmax', 'softmax', 'softmax', 'softmax').
+        bn_stats (str): ``'train'`` or ``'frozen'``, as in :class:`ReparamSwinTransformer`.
+            Default: 'train'.
+        frozen_stages (int): Stages to freeze (eval mode, no gradients): -1 none, i stages
+            0..i. Default: -1.
+        pretrained (str, optional): Deprecated, as in mmdet: the same as
+            ``init_cfg=dict(type='Pretrained', checkpoint=pretrained)``. Default: None.
+        convert_weights (bool): Accepted for mmdet configs and ignored (every checkpoint
+            layout is converted on loading). Default: True.
+        deploy (bool): Build the fused structure (see :func:`mmslab.reparameterize`).
+            Default: False.
+        init_cfg (dict, optional): Initialization config, as in
+            :class:`ReparamSwinTransformer`. Default: None.
     """
 
     arch_zoo = {

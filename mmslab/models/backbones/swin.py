@@ -130,33 +130,76 @@ class ReparamSwinTransformer(ReparamBackboneMixin, BaseModule):
     Keyword arguments mean what they mean in mmdet's ``SwinTransformer``, except that
     ``arch`` comes first (mmdet's first positional argument is ``pretrain_img_size``: pass
     arguments by keyword), ``use_abs_pos_embed=True`` raises (no Swin detector uses it), and
-    ``pretrain_img_size`` / ``convert_weights`` are accepted and ignored. In addition:
+    ``pretrain_img_size`` / ``convert_weights`` are accepted and ignored.
 
     Args:
-        arch: ``'tiny'``, ``'small'`` or ``'base'``: defaults for ``embed_dims``, ``depths``
-            and ``num_heads`` (each overridable).
-        window_size: int, or one int per stage.
-        norm_cfg: every norm (patch embed, blocks, patch merging, outputs): ``LN``, ``RepBN``,
-            ``PRepBN``, ``UN``, ``TokenBN`` or any registered norm (``layers/builder.py``).
-        out_norm_cfg: the output norms, default ``norm_cfg``.
-        attn_types: per stage, ``'window'``, ``'sla'``, ``'binorm'`` or a registered kernel.
-        ffn_type: ``'mlp'``, ``'channel_idle'`` (RePaFormer; BN inside the FFN) or a
-            registered FFN.
-        idle_ratio: fraction of idle hidden channels of the channel-idle FFN.
-        bn_stats: ``'train'`` updates BatchNorm running statistics while training;
+        arch (str): ``'tiny'``, ``'small'`` or ``'base'``: defaults for ``embed_dims``,
+            ``depths`` and ``num_heads`` (each overridable). Default: 'tiny'.
+        pretrain_img_size (int | tuple[int, int]): Accepted for mmdet configs and ignored
+            (no absolute position embedding). Default: 224.
+        in_channels (int): The number of input channels. Default: 3.
+        embed_dims (int, optional): The feature dimension of the first stage.
+            Default: None (``arch``'s).
+        patch_size (int): The patch size of the patch embedding. Default: 4.
+        window_size (int | Sequence[int]): The window size, or one per stage. Default: 7.
+        mlp_ratio (float): The FFN's hidden dimension over ``embed_dims``. Default: 4.
+        depths (Sequence[int], optional): Blocks per stage. Default: None (``arch``'s).
+        num_heads (Sequence[int], optional): Attention heads per stage.
+            Default: None (``arch``'s).
+        strides (Sequence[int]): The patch embedding's stride, then the patch mergings'
+            (2 each). Default: (4, 2, 2, 2).
+        out_indices (Sequence[int]): The stages whose outputs are returned.
+            Default: (0, 1, 2, 3).
+        qkv_bias (bool): Bias in the q, k, v projections. Default: True.
+        qk_scale (float, optional): Scale of ``q k^T`` in softmax window attention.
+            Default: None (``head_dims ** -0.5``).
+        patch_norm (bool): A norm after the patch embedding. Default: True.
+        drop_rate (float): Dropout rate after the attention and in the FFNs. Default: 0.0.
+        attn_drop_rate (float): Dropout rate of the softmax attention weights. Default: 0.0.
+        drop_path_rate (float): Stochastic depth rate, rising linearly over the blocks to
+            this value. Default: 0.1.
+        use_abs_pos_embed (bool): Not supported: True raises (no Swin detector uses it).
+            Default: False.
+        act_cfg (dict, optional): The FFNs' activation. Default: None (GELU).
+        norm_cfg (dict, optional): Every norm (patch embed, blocks, patch merging, outputs):
+            ``LN``, ``RepBN``, ``PRepBN``, ``UN``, ``TokenBN`` or any registered norm
+            (``layers/builder.py``). Default: None (``dict(type='LN')``).
+        out_norm_cfg (dict, optional): The output norms. Default: None (``norm_cfg``).
+        attn_types (str | Sequence[str]): Per stage, ``'window'``, ``'sla'``, ``'binorm'`` or
+            a registered kernel. Default: ('window', 'window', 'window', 'window').
+        ffn_type (str): ``'mlp'``, ``'channel_idle'`` (RePaFormer; BN inside the FFN) or a
+            registered FFN. Default: 'mlp'.
+        idle_ratio (float): Fraction of idle hidden channels of the channel-idle FFN.
+            Default: 0.75.
+        bn_stats (str): ``'train'`` updates BatchNorm running statistics while training;
             ``'frozen'`` keeps every BatchNorm-type layer (BN, RepBN's BN, channel-idle FFN BN,
             UN) of the body in eval mode, as the SLAB authors did when fine-tuning detectors
             with small per-GPU batches; their affine weights and ``alpha`` still train.
-        out_bn_stats: the same for the output norms ``norm{i}``; ``None`` follows
-            ``bn_stats``. Default ``'train'``: the output norms are new in detection and
+            Default: 'train'.
+        out_bn_stats (str, optional): The same for the output norms ``norm{i}``; ``None``
+            follows ``bn_stats``. ``'train'``: the output norms are new in detection and
             segmentation (classification checkpoints have none), so their statistics start at
             mean 0 / variance 1; frozen there, a BN-based output norm would never normalize
             and, once its LayerNorm share has decayed, would hand the neck raw stage outputs.
             Their statistics come from every token of the batch (thousands per image), so small
             per-GPU batches estimate them well; at deployment they fold like any other.
-        deploy: build the fused structure (see :func:`mmslab.reparameterize`).
-        folded_out_norms: (deploy only) output indices whose norm was folded into the
-            detector's neck; written into deploy configs by ``tools/reparameterize.py``.
+            Default: 'train'.
+        with_cp (bool): Activation checkpointing of each block while training (less memory,
+            slower). Default: False.
+        pretrained (str, optional): Deprecated, as in mmdet: the same as
+            ``init_cfg=dict(type='Pretrained', checkpoint=pretrained)``. Default: None.
+        convert_weights (bool): Accepted for mmdet configs and ignored (every checkpoint
+            layout is converted on loading). Default: False.
+        frozen_stages (int): Stages to freeze (eval mode, no gradients): -1 none, 0 the patch
+            embedding, i also stages 1..i. Default: -1.
+        deploy (bool): Build the fused structure (see :func:`mmslab.reparameterize`).
+            Default: False.
+        folded_out_norms (Sequence[int]): (deploy only) output indices whose norm was folded
+            into the detector's neck; written into deploy configs by
+            ``tools/reparameterize.py``. Default: ().
+        init_cfg (dict, optional): Initialization config; ``dict(type='Pretrained',
+            checkpoint=..., prefix=...)`` loads a checkpoint of any supported layout.
+            Default: None.
 
     Returns a tuple of NCHW maps for ``out_indices`` (strides 4, 8, 16, 32).
     """

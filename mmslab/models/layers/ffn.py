@@ -34,6 +34,12 @@ class SwinFFN(BlockFFN):
     Swin weights load. :meth:`absorb_input_affine` folds the preceding norm into fc1.
 
     Shape: ``[..., C]`` -> ``[..., C]``.
+
+    Args:
+        embed_dims (int): The feature dimension.
+        feedforward_channels (int): The hidden dimension.
+        act_cfg (dict, optional): The activation. Default: None (``dict(type='GELU')``).
+        ffn_drop (float): Dropout rate after the activation and after fc2. Default: 0.0.
     """
 
     def __init__(self, embed_dims: int, feedforward_channels: int,
@@ -74,6 +80,18 @@ class ChannelIdleFFN(Reparameterizable, BlockFFN):
     ``blocks.0.ffn.norm1.running_mean``: not the block's ``norm1``.
 
     Shape: ``[..., C]`` -> ``[..., C]``.
+
+    Args:
+        embed_dims (int): The feature dimension.
+        feedforward_channels (int): The hidden dimension.
+        idle_ratio (float): The fraction of hidden channels that pass the activation by
+            (linear), in [0, 1]. Default: 0.75.
+        act_cfg (dict, optional): The activation of the active channels.
+            Default: None (``dict(type='GELU')``).
+        ffn_drop (float): Dropout rate after the activation and after fc2. Default: 0.0.
+        drop_path_rate (float): Stochastic depth rate of the FFN branch. Default: 0.0.
+        deploy (bool): Build the fused structure (``skip``, ``fc1``, ``fc2``; see
+            :func:`mmslab.reparameterize`). Default: False.
     """
 
     includes_residual = True

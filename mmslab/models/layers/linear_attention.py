@@ -106,10 +106,21 @@ class SLA(Reparameterizable, WindowKernelBase):
     encoding is cropped), which is exact because padding is masked.
 
     Args:
-        resize_pos: for global attention over a whole feature map (SLAB-PVT): the positional
-            encoding is learned on the pre-training grid and bilinearly resized to any other
-            grid, smaller or larger. Default (windows): crop for smaller windows, resize only
-            when the window is larger than the learned one.
+        embed_dims (int): The feature dimension.
+        num_heads (int): Parallel attention heads.
+        window_size (int | tuple[int, int]): The window (height, width) the positional
+            encoding is learned for.
+        qkv_bias (bool): Bias in the q, k, v projection. Default: True.
+        kernel_size (int): Kernel size of the depth-wise conv over V. Default: 5.
+        proj_drop (float): Dropout rate after the output projection. Default: 0.0.
+        resize_pos (bool): For global attention over a whole feature map (SLAB-PVT): the
+            positional encoding is learned on the pre-training grid and bilinearly resized to
+            any other grid, smaller or larger. False (windows): crop for smaller windows,
+            resize only when the window is larger than the learned one. Default: False.
+        deploy (bool): The fused form; SLA has no structure to fuse, so both forms are the
+            same. Default: False.
+        **kwargs: The softmax options ``qk_scale`` and ``attn_drop``, accepted only at their
+            neutral values (None, 0.0) so that configs may pass them to every kernel.
     """
 
     uses_shift_mask = False
@@ -413,6 +424,17 @@ class BiNormAttention(Reparameterizable, WindowKernelBase):
 
     Per head ``O = L2norm_channels(Q) @ L2norm_keychannels(K^T V)``: ``K^T V`` first (linear
     in tokens), no softmax, no scale. Computed in float32 even under autocast, as SLA.
+
+    Args:
+        embed_dims (int): The feature dimension.
+        num_heads (int): Parallel attention heads.
+        window_size (int | tuple[int, int]): The window (height, width) it attends within.
+        qkv_bias (bool): Bias in the q, k, v projection. Default: True.
+        proj_drop (float): Dropout rate after the output projection. Default: 0.0.
+        deploy (bool): The fused form; BiNorm has no structure to fuse, so both forms are the
+            same. Default: False.
+        **kwargs: The softmax options ``qk_scale`` and ``attn_drop``, accepted only at their
+            neutral values (None, 0.0) so that configs may pass them to every kernel.
     """
 
     uses_shift_mask = False

@@ -15,6 +15,14 @@ class TokenBN(FoldableNorm):
 
     The sub-module is named ``bn``; at inference this is the affine
     ``w / sqrt(var + eps) * x + (b - w * mean / sqrt(var + eps))``.
+
+    Args:
+        num_features (int): Channels C.
+        eps (float): ``eps`` of the BatchNorm. Default: 1e-5.
+        momentum (float): ``momentum`` of the BatchNorm. Default: 0.1.
+        data_format (str): ``'channels_last'`` for ``[..., C]``, ``'channels_first'`` for
+            ``[B, C, *]``. Default: 'channels_last'.
+        deploy (bool): Build the fused affine form directly. Default: False.
     """
 
     _stat_attrs = ('bn',)

@@ -116,22 +116,28 @@ class UN(FoldableNorm):
     """Unified Normalization: offline per-channel normalization by a smoothed quadratic mean.
 
     Args:
-        num_features: channels C.
-        eps: added to the variance.
-        window_size: M, number of recent iterations whose statistics are averaged (>= 2).
-        warmup_iters: iterations during which the current statistics are used (paper: 4000).
-        momentum: EMA weight of the old value for ``running_var`` and for the gradient
-            statistic (paper: 0.9). ``recalibrate_bn`` sets it to ``None`` temporarily, which
-            makes a training-mode forward a cumulative average of ``s_t`` into ``running_var``
-            and nothing else (like ``nn.BatchNorm`` with ``momentum=None``).
-        outlier_filtration: adaptive outlier filtration (on for vision in the paper).
-        grad_scale_clamp: clamp of the gradient scale ``r`` to ``[1/clamp, clamp]``; ``None``
-            disables the scale.
-        grad_scale_start: first iteration of the gradient scale; the effective start is
-            ``max(grad_scale_start, warmup_iters)``.
-        data_format: ``'channels_last'`` for ``[..., C]`` tokens, ``'channels_first'`` for
-            ``[B, C, *spatial]`` maps. Statistics are over every non-channel axis.
-        deploy: build the fused affine form (parameters ``weight``/``bias`` only) directly.
+        num_features (int): Channels C.
+        eps (float): Added to the variance. Default: 1e-5.
+        window_size (int): M, number of recent iterations whose statistics are averaged
+            (>= 2). Default: 4.
+        warmup_iters (int): Iterations during which the current statistics are used
+            (paper: 4000). Default: 4000.
+        momentum (float): EMA weight of the old value for ``running_var`` and for the
+            gradient statistic (paper: 0.9). ``recalibrate_bn`` sets it to ``None``
+            temporarily, which makes a training-mode forward a cumulative average of ``s_t``
+            into ``running_var`` and nothing else (like ``nn.BatchNorm`` with
+            ``momentum=None``). Default: 0.9.
+        outlier_filtration (bool): Adaptive outlier filtration (on for vision in the paper).
+            Default: True.
+        grad_scale_clamp (float, optional): Clamp of the gradient scale ``r`` to
+            ``[1/clamp, clamp]``; ``None`` disables the scale. Default: 5.0.
+        grad_scale_start (int): First iteration of the gradient scale; the effective start
+            is ``max(grad_scale_start, warmup_iters)``. Default: 1000.
+        data_format (str): ``'channels_last'`` for ``[..., C]`` tokens, ``'channels_first'``
+            for ``[B, C, *spatial]`` maps. Statistics are over every non-channel axis.
+            Default: 'channels_last'.
+        deploy (bool): Build the fused affine form (parameters ``weight``/``bias`` only)
+            directly. Default: False.
 
     Training iteration: the moving averages advance once per *training iteration*, not per
     forward call. Call :meth:`set_iter` before every iteration (mmslab's iteration hook does it

@@ -228,6 +228,18 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
 
     In deploy mode the bias table is gathered once into a ``[heads, N, N]`` buffer and masked
     biases are cached per padded input size, so a forward pass does no index gathering.
+
+    Args:
+        embed_dims (int): The feature dimension.
+        num_heads (int): Parallel attention heads.
+        window_size (int | tuple[int, int]): The window (height, width).
+        qkv_bias (bool): Bias in the q, k, v projection. Default: True.
+        qk_scale (float, optional): Scale of ``q k^T``. Default: None (``head_dims ** -0.5``).
+        attn_drop (float): Dropout rate of the attention weights. Default: 0.0.
+        proj_drop (float): Dropout rate after the output projection. Default: 0.0.
+        deploy (bool): Build the fused structure: the gathered ``[heads, N, N]`` bias
+            buffer instead of the bias table and index (see :func:`mmslab.reparameterize`).
+            Default: False.
     """
 
     softmax_options = True
