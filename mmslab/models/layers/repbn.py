@@ -25,11 +25,14 @@ class RepBN(FoldableNorm):
     and ``b = beta - w * mean / sqrt(var + eps)``.
 
     Args:
-        num_features: channels C.
-        eps, momentum: of the inner ``nn.BatchNorm1d`` (named ``bn`` as in the authors' files).
-        alpha_init: initial ``alpha`` (1 in the paper).
-        data_format: ``'channels_last'`` for ``[..., C]``, ``'channels_first'`` for ``[B, C, *]``.
-        deploy: build the fused affine form directly.
+        num_features (int): Channels C.
+        eps (float): ``eps`` of the inner ``nn.BatchNorm1d`` (named ``bn`` as in the authors'
+            files). Default: 1e-5.
+        momentum (float): ``momentum`` of the inner ``nn.BatchNorm1d``. Default: 0.1.
+        alpha_init (float): Initial ``alpha`` (1 in the paper). Default: 1.0.
+        data_format (str): ``'channels_last'`` for ``[..., C]``, ``'channels_first'`` for
+            ``[B, C, *]``. Default: 'channels_last'.
+        deploy (bool): Build the fused affine form directly. Default: False.
 
     Shape: input and output alike, ``[..., C]`` or ``[B, C, *]``.
     """
@@ -67,10 +70,11 @@ class PRepBN(FoldableNorm):
     """Progressive re-parameterized BatchNorm: ``g * LN(x) + (1 - g) * RepBN(x)``.
 
     ``g`` is 1 for ``warmup`` training iterations, then decays linearly from ``r0`` to 0 over
-    ``step`` iterations (``schedule_offset`` shifts the start, see the buffer's comment). The schedule is a function of the *training iteration*, stored in the
-    ``cur_iter`` buffer (so it is saved and resumed with the model) and set before each
-    iteration by :class:`~mmslab.engine.ProgressiveNormHook` (or by calling :meth:`set_iter`);
-    extra forward calls never move it. Training without anything driving the schedule raises
+    ``step`` iterations (``schedule_offset`` shifts the start, see the buffer's comment). The
+    schedule is a function of the *training iteration*, stored in the ``cur_iter`` buffer (so
+    it is saved and resumed with the model) and set before each iteration by
+    :class:`~mmslab.engine.ProgressiveNormHook` (or by calling :meth:`set_iter`); extra forward
+    calls never move it. Training without anything driving the schedule raises
     instead of silently training with a frozen ``g``. Eval mode is pure RepBN, as in the paper.
 
     Sub-module names follow the authors' files: ``norm1`` is the LayerNorm branch, ``norm2``
@@ -78,6 +82,20 @@ class PRepBN(FoldableNorm):
     ``blocks.0.norm1.norm2.bn`` is the BN of the RepBN branch of a block's first pre-norm).
 
     Shape: ``[..., C]`` channels-last, or ``[B, C, *]`` with ``data_format='channels_first'``.
+
+    Args:
+        num_features (int): Channels C.
+        step (int): Iterations of the linear decay of ``g`` from ``r0`` to 0 (the SLAB
+            presets use :data:`SLAB_PREPBN_STEPS`). Default: 60000.
+        r0 (float): ``g`` at the start of the decay, in [0, 1]. Default: 1.0.
+        warmup (int): Training iterations at ``g = 1`` before the decay. Default: 0.
+        eps (float): ``eps`` of the LayerNorm branch. Default: 1e-5.
+        bn_eps (float): ``eps`` of the RepBN branch's BatchNorm. Default: 1e-5.
+        bn_momentum (float): ``momentum`` of the RepBN branch's BatchNorm. Default: 0.1.
+        alpha_init (float): Initial ``alpha`` of the RepBN branch. Default: 1.0.
+        data_format (str): ``'channels_last'`` for ``[..., C]``, ``'channels_first'`` for
+            ``[B, C, *]``. Default: 'channels_last'.
+        deploy (bool): Build the fused affine form directly. Default: False.
     """
 
     _stat_attrs = ('norm1', 'norm2', 'cur_iter', 'schedule_offset')
