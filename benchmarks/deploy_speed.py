@@ -515,8 +515,8 @@ def runtime_order(rt: str):
 def print_table(rows, kind, shape, runtimes):
     sel = [r for r in rows if r['kind'] == kind and r['shape'] == shape]
     models = list(dict.fromkeys(r['model'] for r in sel))
-    cell = {(r['model'], r['runtime']): f"{r['median_ms']:.1f} ({r['min_ms']:.0f}-{r['max_ms']:.0f})"
-            for r in sel}
+    cell = {(r['model'], r['runtime']):
+            f"{r['median_ms']:.1f} ({r['min_ms']:.0f}-{r['max_ms']:.0f})" for r in sel}
     print(f'\n{kind} {shape}: median ms (min-max over rounds), batch 1')
     print('  ' + 'model'.ljust(28) + ''.join(rt.rjust(20) for rt in runtimes))
     for m in models:

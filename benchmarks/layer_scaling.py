@@ -31,7 +31,8 @@ def peak_memory_mb(fn) -> float:
     with torch.profiler.profile(profile_memory=True) as prof:
         fn()
     current = peak = 0
-    events = sorted((e for e in prof.events() if e.cpu_memory_usage), key=lambda e: e.time_range.start)
+    events = sorted((e for e in prof.events() if e.cpu_memory_usage),
+                    key=lambda e: e.time_range.start)
     for e in events:
         current += e.cpu_memory_usage
         peak = max(peak, current)

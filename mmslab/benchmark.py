@@ -10,7 +10,7 @@ and :func:`check_device_arguments`.
 """
 import argparse
 import copy
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Sequence, Tuple
 
 import torch
 import torch.nn as nn

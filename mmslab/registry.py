@@ -82,7 +82,8 @@ def _register_in_root(root, registry_name: str, name: Optional[str]) -> Callable
 
 
 def register_hook(name: Optional[str] = None) -> Callable[[type], type]:
-    """Class decorator: register a hook in mmengine's root ``HOOKS`` (found from mmdet and mmseg)."""
+    """Class decorator: register a hook in mmengine's root ``HOOKS`` (found from mmdet and
+    mmseg)."""
     return _register_in_root(HOOKS, 'HOOKS', name)
 
 

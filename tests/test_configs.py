@@ -21,8 +21,6 @@ from mmengine.model import revert_sync_batchnorm
 from mmengine.optim import build_optim_wrapper
 from torch.nn.modules.batchnorm import _BatchNorm
 
-REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-
 import mmslab
 from mmslab.engine.hooks.reparam_eval_hook import max_relative_difference
 from mmslab.models.backbones.pvt import ReparamPVT
@@ -31,6 +29,8 @@ from mmslab.models.layers import UN, FoldableNorm, PRepBN
 from mmslab.utils import DataNotFoundError, check_data_root
 
 from config_helpers import CONFIG_DIR, SIZE, load, registry, tiny_backbone_cfg
+
+REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
 CONFIGS = sorted(glob.glob(osp.join(CONFIG_DIR, '*.py')) +
                  glob.glob(osp.join(CONFIG_DIR, 'demo', '*.py')))

@@ -46,7 +46,7 @@ def logged_ratios(output: str):
 
 
 @pytest.fixture(scope='module', params=['det', 'seg'])
-def dist_run(request, demo_data, tmp_path_factory):
+def dist_run(request, demo_data, tmp_path_factory):  # noqa: F811
     """One 2-process training of 3 iterations per task, then its 2-process resume to 5; the
     tests below check their logs and files (the fused validation's latency.json as the first
     run left it: the resumed run's validation overwrites it)."""

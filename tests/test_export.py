@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import mmslab
+import mmslab  # noqa: F401  (registers the components the configs name)
 from conftest import load_tool
 from mmslab.datasets.demo_data import make_ade_demo
 

@@ -277,7 +277,7 @@ def _run(run, tmp_path, name, *extra):
 @needs_bf16
 @pytest.mark.slow  # trains, then tools/test.py twice
 @pytest.mark.parametrize('task', ['det', 'seg'])
-def test_eager_bf16_metrics_close_to_fp32(tiny, tmp_path, task, monkeypatch):
+def test_eager_bf16_metrics_close_to_fp32(tiny, tmp_path, task, monkeypatch):  # noqa: F811
     """bf16 through tools/test.py: the same detections (label maps) as fp32 up to bf16
     rounding, metrics within bounds; but not bit-identical (bf16 really ran). The
     fused-vs-unfused check still runs in float32."""
@@ -329,7 +329,7 @@ def test_eager_bf16_metrics_close_to_fp32(tiny, tmp_path, task, monkeypatch):
 
 
 @pytest.mark.slow  # trains, then tools/test.py
-def test_auto_writes_its_measured_choice(tiny, tmp_path):
+def test_auto_writes_its_measured_choice(tiny, tmp_path):  # noqa: F811
     run = tiny('det')
     metrics, output, _, latency = _run(run, tmp_path, 'auto', '--precision', 'auto')
     record = metrics['precision_auto']
@@ -349,7 +349,7 @@ def test_auto_writes_its_measured_choice(tiny, tmp_path):
 
 
 @pytest.mark.slow  # trains, exports, then tools/test.py --backend
-def test_runtime_auto_and_bf16(exported, tmp_path):
+def test_runtime_auto_and_bf16(exported, tmp_path):  # noqa: F811
     """OpenVINO ``--precision auto``: fp32 against bf16 (CPUs with bf16 units) on the first
     test image, the choice in metrics.json; onnxruntime auto: fp32 without timing;
     ``precision='bf16'`` loads as ``bf16=True`` did."""

@@ -23,7 +23,7 @@ from tool_runs import (  # noqa: F401
 
 
 @pytest.fixture(scope='module')
-def trained(demo_data, tmp_path_factory):
+def trained(demo_data, tmp_path_factory):  # noqa: F811
     """Configs trained for 2 iterations with tools/train.py, built lazily per task."""
     cache = {}
 

@@ -2,7 +2,8 @@
 
     python tools/export_onnx.py CONFIG CHECKPOINT --out DIR
         [--part model|features|backbone] [--no-dynamic --shape H W] [--seg-argmax]
-        [--attention split|packed] [--runtime onnxruntime openvino] [--int8] [--calib-images N] [--eval-images N]
+        [--attention split|packed] [--runtime onnxruntime openvino] [--int8]
+        [--calib-images N] [--eval-images N]
         [--latency HxW [--repeat N]] [--threads N] [--cfg-options ...]
     python tools/export_onnx.py CONFIG --random-weights --out DIR ...   # no checkpoint
 

@@ -68,7 +68,8 @@ def main(argv=None):
         summary['full_size_latency'] = full_size_rows(full)
         for row in summary['full_size_latency']:
             line = (f"{row['part']:8s} {row['shape']}: fused {row['fused_ms']:.0f} ms, "
-                    f"unfused {row['unfused_ms']:.0f} ms ({row['unfused_ms'] / row['fused_ms']:.2f}x)")
+                    f"unfused {row['unfused_ms']:.0f} ms "
+                    f"({row['unfused_ms'] / row['fused_ms']:.2f}x)")
             if row.get('baseline_ms'):
                 line += (f", mmdet Swin-T {row['baseline_ms']:.0f} ms "
                          f"({row['baseline_ms'] / row['fused_ms']:.2f}x)")

@@ -9,7 +9,8 @@
 The config's ``default_scope`` ('mmdet' or 'mmseg') selects the codebase. ``--out`` is a pickle
 file of raw detections (mmdet) or a directory of predicted label maps (mmseg). The metrics are
 logged as usual and, on the main process, printed as one JSON line starting with
-``mmslab-test-metrics:`` and written to ``WORK_DIR/metrics.json``. Multi-process testing: ``tools/dist_test.sh CONFIG CKPT NPROC [args]``.
+``mmslab-test-metrics:`` and written to ``WORK_DIR/metrics.json``. Multi-process testing:
+``tools/dist_test.sh CONFIG CKPT NPROC [args]``.
 
 ``--precision``: what the model computes in (``metrics.json`` records it as ``precision``):
 
