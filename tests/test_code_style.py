@@ -3,8 +3,12 @@
 * No hardware model names and no speed figures: a comment says what the code does and why;
   measurements, and the machines they were taken on, belong in docs/benchmarks.md, where they
   carry their date and setup and are updated when re-measured.
+* Every class that mmslab registers (models, norms, attention kernels, hooks, optimizer
+  wrappers) documents each constructor argument in an ``Args:`` section, the way mmdet's
+  backbones do: ``embed_dims (int): The feature dimension. Default: 96.``
 """
 import ast
+import inspect
 import io
 import os.path as osp
 import re
@@ -14,8 +18,8 @@ from glob import glob
 from conftest import REPO
 
 #: Files another change is cleaning up right now: their hardware names and figures are
-#: listed, not failed on. Remove each path once its file is clean, so that the file is held
-#: to every rule again.
+#: listed, not failed on, and their Args entries are checked for names only. Remove each
+#: path once its file is clean, so that the file is held to every rule again.
 PENDING = {
     'mmslab/engine/hooks/reparam_eval_hook.py',
     'mmslab/utils/precision.py',
@@ -114,3 +118,98 @@ def test_no_hardware_names_or_speed_figures_in_code_prose():
         'hardware names or speed figures in docstrings / comments (say what the code does and '
         'why; the measurements go to docs/benchmarks.md):\n' + '\n'.join(failing))
 
+
+# -- Args sections of registered classes ------------------------------------------------------
+
+_ENTRY = re.compile(r'\**(\w+)\s*(\(([^)]*)\))?\s*:')
+
+
+def args_entries(doc: str) -> dict:
+    """name -> ``(type or None, entry text)`` of the ``Args:`` section of a docstring."""
+    entries = {}
+    lines = inspect.cleandoc(doc or '').splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() in ('Args:', 'Arguments:'):
+            header_indent = len(line) - len(line.lstrip())
+            break
+    else:
+        return entries
+    entry_indent, current = None, None
+    for line in lines[i + 1:]:
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        if indent <= header_indent:
+            break
+        if entry_indent is None:
+            entry_indent = indent
+        if indent == entry_indent:
+            m = _ENTRY.match(line.strip())
+            current = m and m.group(1)
+            if current:
+                entries[current] = [m.group(3), line.strip()]
+                continue
+        if current:
+            entries[current][1] += ' ' + line.strip()
+    return {name: tuple(value) for name, value in entries.items()}
+
+
+def registered_classes() -> dict:
+    """name -> class of everything mmslab registers (mmslab/registry.py): its own ``MODELS``,
+    which holds each model component it also puts into mmdet's and mmseg's, and mmengine's
+    root ``HOOKS`` and ``OPTIM_WRAPPERS``, where mmslab's are those its modules define."""
+    import mmslab  # noqa: F401  (registers everything)
+    from mmslab.registry import HOOKS, MODELS, OPTIM_WRAPPERS
+    classes = dict(MODELS.module_dict)
+    for registry in (HOOKS, OPTIM_WRAPPERS):
+        classes.update((name, cls) for name, cls in registry.module_dict.items()
+                       if cls.__module__.split('.')[0] == 'mmslab')
+    return classes
+
+
+def constructor(cls):
+    """The class in ``cls``'s MRO whose ``__init__`` builds it, and that ``__init__``'s
+    parameters but ``self``: a constructor of ``**kwargs`` only (a preset) hands them on to
+    the next one."""
+    for klass in cls.__mro__:
+        if '__init__' not in vars(klass):
+            continue
+        params = [p for name, p in inspect.signature(klass.__init__).parameters.items()
+                  if name != 'self']
+        if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            return klass, params
+    return cls, []
+
+
+def test_registered_classes_found():
+    classes = registered_classes()
+    for name in ('ReparamSwinTransformer', 'SLABPVT', 'WindowMSA', 'PRepBN', 'UN',
+                 'ReparamEvalHook', 'CPUAmpOptimWrapper'):
+        assert name in classes, name
+
+
+def test_registered_classes_document_their_arguments():
+    problems = []
+    for name, cls in sorted(registered_classes().items()):
+        klass, params = constructor(cls)
+        path = osp.relpath(inspect.getsourcefile(klass), REPO).replace(osp.sep, '/')
+        where = f'{path}:{inspect.getsourcelines(klass)[1]} {name}'
+        entries = {}
+        for doc in (klass.__init__.__doc__, klass.__doc__, cls.__doc__):
+            entries.update(args_entries(doc))
+        for extra in sorted(set(entries) - {p.name for p in params}):
+            problems.append(f'{where}: Args lists {extra!r}, which the constructor does not take')
+        for p in params:
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                continue  # optional: what they forward is documented where it goes
+            if p.name not in entries:
+                problems.append(f'{where}: argument {p.name!r} is not in the Args section')
+                continue
+            if path in PENDING:
+                continue
+            kind, text = entries[p.name]
+            if not kind:
+                problems.append(f'{where}: Args entry of {p.name!r} has no (type)')
+            if p.default is not p.empty and not re.search(r'\bDefaults?\b', text):
+                problems.append(f'{where}: Args entry of {p.name!r} does not give its default')
+    assert not problems, '\n'.join(problems)
