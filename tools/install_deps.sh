@@ -29,6 +29,8 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WHEELS="${MMSLAB_WHEELS:-$HOME/.cache/mmslab/wheels}"
 PY="${PYTHON:-python3}"
 OPENVINO="${MMSLAB_OPENVINO:-1}"
+# The linter tools/run_tests.sh runs before the tests; .pre-commit-config.yaml pins the same.
+RUFF_VERSION=0.17.6
 case "$OPENVINO" in
     0|1) ;;
     *) echo "error: MMSLAB_OPENVINO=$OPENVINO; valid: 1 (install OpenVINO and NNCF), 0 (without)" >&2
@@ -90,11 +92,13 @@ eval "$PLAN"
 
 # Fast path: everything importable, the pinned versions present, the mmcv build the plan asks.
 if [ "$(cat "$MARKER" 2>/dev/null || true)" = "$MMSLAB_MMCV_KEY" ] && \
-        MMSLAB_EXISTING=$EXISTING MMSLAB_OPENVINO=$OPENVINO "$VPY" -P - <<'PYEOF' 2>/dev/null
+        MMSLAB_EXISTING=$EXISTING MMSLAB_OPENVINO=$OPENVINO MMSLAB_RUFF=$RUFF_VERSION \
+        "$VPY" -P - <<'PYEOF' 2>/dev/null
 import importlib
 import importlib.metadata as md
 import os
-pins = {'mmcv': '2.1.0', 'mmengine': '0.10.7', 'mmdet': '3.3.0', 'mmsegmentation': '1.2.2'}
+pins = {'mmcv': '2.1.0', 'mmengine': '0.10.7', 'mmdet': '3.3.0', 'mmsegmentation': '1.2.2',
+        'ruff': os.environ['MMSLAB_RUFF']}
 if os.environ['MMSLAB_EXISTING'] == '0':
     pins.update(torch='2.14.1', torchvision='0.29.1')
 for name, version in pins.items():
@@ -172,7 +176,7 @@ PYEOF
     MMSLAB_NODEPS=(--no-deps)
 fi
 "${PIP[@]}" -q "${MMENGINE[@]}" mmdet==3.3.0 mmsegmentation==1.2.2 timm ftfy regex \
-    pycocotools matplotlib pytest
+    pycocotools matplotlib pytest "ruff==$RUFF_VERSION"
 
 if [ "$OPENVINO" = 1 ]; then
     step "installing the deployment runtimes (onnx, onnxruntime, openvino, nncf)"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install whatever is missing, then run the test suite:
+# Install whatever is missing, lint (ruff, pyproject.toml), then run the test suite:
 #   bash tools/run_tests.sh [--fast] [pytest args]
 # --fast skips the tests marked slow (builds, multi-process training, end-to-end tool runs,
 # torch.compile, the longer exports): a few minutes on 2 cores instead of about 12.
@@ -7,6 +7,9 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$REPO/tools/install_deps.sh"
 cd "$REPO"
+# Lint before the tests: seconds, and a failure stops the run before minutes of tests.
+TIMEFORMAT='[run_tests] ruff check: %R s'
+time "$REPO/.venv/bin/python" -m ruff check .
 ARGS=()
 if [ "${1:-}" = "--fast" ]; then
     shift
