@@ -39,13 +39,12 @@ def quantize_onnxruntime(onnx_path: str, out_path: str,
     calibrator keeps every calibrated tensor of a run alive, and calibrating all of them ran
     out of 24 GB at 800x1344 (7.7 GB peak now).
 
-    MatMul / Gemm outputs stay float (:data:`FLOAT_OUTPUT_OPS`): onnxruntime then runs
-    ``MatMulIntegerToFloat``, which dequantizes in the kernel's epilogue, where a quantized
-    output costs a ``QLinearMatMul`` plus a ``DequantizeLinear`` pass before the float
-    consumers (bias Add, GELU, residual, attention), and one rounding more. Measured at
-    512x512 (Intel Xeon with AMX, 2 threads, interleaved medians of 9): the LayerNorm
-    Swin-T control 263 -> 226 ms, RePa-Swin-T 210 -> 181 ms. The bias ``Add`` that
-    follows each of them is then moved into the kernel (:func:`fuse_integer_matmul_bias`)."""
+    MatMul / Gemm outputs stay float (:data:`FLOAT_OUTPUT_OPS`): onnxruntime's own graph
+    optimizer then chooses how each ``DequantizeLinear -> MatMul`` runs. It forms
+    ``MatMulIntegerToFloat`` (dequantizing in the kernel's epilogue) only where the CPU's
+    u8 x s8 products cannot saturate (VNNI, AMX) and computes in float otherwise, so the
+    INT8 file is exact on every x86 CPU. A quantized output would cost a ``QLinearMatMul``
+    plus a ``DequantizeLinear`` pass before the float consumers and one rounding more."""
     from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType,
                                           quantize_static)
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -78,7 +77,6 @@ def quantize_onnxruntime(onnx_path: str, out_path: str,
     model = onnx.load(out_path)
     read_float_where_float(model)
     quantize_before_moves(model)
-    fuse_integer_matmul_bias(model)
     onnx.save(model, out_path)
     return out_path
 
@@ -92,9 +90,8 @@ def read_float_where_float(model) -> int:
     onnxruntime's quantizer gives every reader of a quantized tensor the dequantized copy.
     Where a norm is folded into the next layers (PRepBN, SLAB), the residual stream
     itself is the input of the ``qkv`` and ``fc1`` layers, so the residual additions read it
-    rounded to 8 bits and a ``DequantizeLinear`` pass over it runs for them alone (SLAB-Swin-T
-    at 512x512: about 3 ms of onnxruntime's INT8 kernel time). The float tensor is what the
-    unquantized graph adds: one rounding fewer, one pass fewer."""
+    rounded to 8 bits and a ``DequantizeLinear`` pass over it runs for them alone. The float
+    tensor is what the unquantized graph adds: one rounding fewer, one pass fewer."""
     graph = model.graph
     inits = {init.name for init in graph.initializer}
     producer = {out: node for node in graph.node for out in node.output}
@@ -136,76 +133,6 @@ def read_float_where_float(model) -> int:
     return rewired
 
 
-def fuse_integer_matmul_bias(model) -> int:
-    """Rewrite each quantized weight layer of the QDQ ``onnx.ModelProto`` (in place) whose float
-    output only feeds its bias ``Add`` as one ``com.microsoft.MatMulIntegerToFloat`` with
-    the bias as its last input; returns how many were fused.
-
-    onnxruntime turns ``DequantizeLinear -> MatMul`` into ``MatMulIntegerToFloat`` itself
-    but leaves the bias ``Add`` a separate pass over the output (its fusions only take the
-    bias in dynamically quantized graphs); the kernel adds it in its epilogue. The numbers
-    do not change: the same kernel computes the product and adds the same bias. The INT8
-    file is onnxruntime's own (OpenVINO's INT8 model comes from NNCF), so a contrib operator
-    is fine here. Gemm layers and layers without a bias are left as they are."""
-    import onnx
-    from onnx import helper
-    graph = model.graph
-    inits = {init.name: init for init in graph.initializer}
-    producer = {out: node for node in graph.node for out in node.output}
-    consumers = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
-    outputs = {o.name for o in graph.output}
-
-    def dequantized(name, weight: bool):
-        """The ``DequantizeLinear`` giving ``name`` as (q, scale, zero point), or None:
-        a weight's must be a 2-D initializer with scales per column (axis 1) or one scale,
-        an activation's one scale."""
-        node = producer.get(name)
-        if node is None or node.op_type != 'DequantizeLinear':
-            return None
-        scale = inits.get(node.input[1])
-        if scale is None or (len(scale.dims) and not weight):
-            return None
-        if weight:
-            q = inits.get(node.input[0])
-            axis = next((a.i for a in node.attribute if a.name == 'axis'), 1)
-            if q is None or len(q.dims) != 2 or (len(scale.dims) and axis not in (1, -1)):
-                return None
-        return node.input[0], node.input[1], node.input[2] if len(node.input) > 2 else ''
-
-    fused, removed = {}, set()
-    for node in graph.node:
-        if node.op_type != 'MatMul' or node.output[0] in outputs:
-            continue
-        a, w = dequantized(node.input[0], False), dequantized(node.input[1], True)
-        users = consumers.get(node.output[0], [])
-        if a is None or w is None or len(users) != 1 or users[0].op_type != 'Add':
-            continue
-        add = users[0]
-        bias = [name for name in add.input if name != node.output[0]]
-        columns = inits[w[0]].dims[1]
-        if len(bias) != 1 or bias[0] not in inits or list(inits[bias[0]].dims) != [columns] \
-                or inits[bias[0]].data_type != onnx.TensorProto.FLOAT:
-            continue
-        fused[id(node)] = helper.make_node(
-            'MatMulIntegerToFloat', [a[0], w[0], a[1], w[1], a[2], w[2], bias[0]],
-            [add.output[0]], name=node.name + '_with_bias', domain='com.microsoft')
-        removed.add(id(add))
-    if not fused:
-        return 0
-    nodes = [fused.get(id(n), n) for n in graph.node if id(n) not in removed]
-    # the DequantizeLinear nodes nothing reads any more
-    read = {name for n in nodes for name in n.input} | outputs
-    nodes = [n for n in nodes if n.op_type != 'DequantizeLinear' or n.output[0] in read]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    if not any(o.domain == 'com.microsoft' for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid('com.microsoft', 1))
-    return len(fused)
-
-
 #: Operators that only move, copy or drop elements, and the inputs they move: quantizing
 #: their output is quantizing those inputs (``QuantizeLinear`` is elementwise).
 MOVE_OPS = dict(Gather=(0, ), Transpose=(0, ), Reshape=(0, ), Squeeze=(0, ),
@@ -224,7 +151,7 @@ def quantize_before_moves(model) -> int:
     way back (heads to channels, windows to token order) then move float32 data, four times
     the bytes, and the quantizer reads the larger, padded tensor. Quantizing first and moving
     the 8-bit values gives the same values (rounding commutes with moving), so the outputs do
-    not change (Swin-T INT8 at 512x512, a shifted block of stage 1: 0.6-1.3 ms of 13-15)."""
+    not change."""
     from onnx import helper
     graph = model.graph
     inits = {init.name: init for init in graph.initializer}
@@ -309,23 +236,9 @@ def quantize_openvino(xml_path: str, out_path: str, calibration: Sequence[np.nda
         quantized = nncf.quantize(model, dataset, model_type=nncf.ModelType.TRANSFORMER,
                                   subset_size=len(calibration), ignored_scope=ignored)
     check_quantizer_ranges(quantized)
-    signed_second_operands(quantized)
     quantize_before_gathers(quantized)
     ov.save_model(quantized, out_path)
     return out_path
-
-
-#: operators a quantized value passes through unchanged on its way to a MatMul
-_LAYOUT_OPS = ('Reshape', 'Transpose', 'Squeeze', 'Unsqueeze', 'Convert')
-
-
-def _quantizer_of(output):
-    """The ``FakeQuantize`` whose output reaches ``output`` through layout operators only,
-    or None."""
-    node = output.get_node()
-    while node.get_type_name() in _LAYOUT_OPS:
-        node = node.input_value(0).get_node()
-    return node if node.get_type_name() == 'FakeQuantize' else None
 
 
 def _constant_node(output):
@@ -336,60 +249,10 @@ def _constant_node(output):
     return node
 
 
-def _second_operand_only(quantizer) -> bool:
-    """Whether every reader of ``quantizer``'s output (through layout operators) is a MatMul
-    taking it as its second operand: a signed range there cannot turn another product's
-    first operand signed (and that product to fp32)."""
-    pending = list(quantizer.output(0).get_target_inputs())
-    while pending:
-        target = pending.pop()
-        node = target.get_node()
-        if node.get_type_name() in _LAYOUT_OPS:
-            pending.extend(node.output(0).get_target_inputs())
-        elif node.get_type_name() != 'MatMul' or target.get_index() != 1:
-            return False
-    return True
-
-
 def _range(quantizer) -> List[np.ndarray]:
     """A ``FakeQuantize``'s input low / high, output low / high constants (float32)."""
     return [_constant_node(quantizer.input_value(i)).get_data().astype(np.float32)
             for i in range(1, 5)]
-
-
-def signed_second_operands(model) -> int:
-    """Give the second operand of every product of two unsigned quantized activations a
-    signed range, in place; returns how many were changed.
-
-    OpenVINO's integer products on CPUs with AVX-512 VNNI and no AMX take an unsigned first
-    and a signed second operand only: a product of two unsigned ones (SLA's normalizer
-    ``relu(q) Z``, both non-negative) was computed in fp32, after a pass that dequantized q.
-    On an AMD EPYC at 800x1344 SLAB-Swin-T's INT8 backbone took 209.4 instead of 213.2 ms
-    (medians of 9, interleaved). The signed range is NNCF's symmetric form, ``[-h * 128/127,
-    h]`` in 256 levels (zero exact, a step of ``h / 127``): one bit of the operand's
-    resolution for its non-negative values, the same on CPUs whose AMX takes either sign.
-    Only quantizers read as products' second operands alone are changed."""
-    ov = import_openvino()
-    changed = 0
-    for op in model.get_ordered_ops():
-        if op.get_type_name() != 'MatMul':
-            continue
-        first, second = (_quantizer_of(op.input_value(i)) for i in range(2))
-        if first is None or second is None or second.get_attributes()['levels'] != 256 or \
-                not _second_operand_only(second):
-            continue
-        in_low, in_high, out_low, out_high = _range(second)
-        if _range(first)[2].min() < 0 or out_low.min() < 0:
-            continue  # a signed operand already
-        if not (np.array_equal(in_low, out_low) and np.array_equal(in_high, out_high)):
-            continue  # not an activation quantizer (those map a range onto itself)
-        high = np.maximum(out_high, np.finfo(np.float32).tiny).astype(np.float32)
-        low = (-high * 128 / 127).astype(np.float32)
-        for i, value in ((1, low), (2, high), (3, low), (4, high)):
-            constant = ov.op.Constant(np.ascontiguousarray(value))
-            second.input(i).replace_source_output(constant.output(0))
-        changed += 1
-    return changed
 
 
 def _per_channel(values: np.ndarray, channels: int) -> bool:
@@ -418,10 +281,7 @@ def quantize_before_gathers(model) -> int:
     back, the tokens with the padded token appended), so no tensor is quantized twice and the
     quantizer reads at most the padded slots the gather drops (the slots of the control's
     padded windows: up to 1.2x the tokens). SLA's groups of windows gather from the token
-    stream that the residual addition also reads: not changed. At 800x1344 on an AMD EPYC
-    the LayerNorm Swin-T INT8 backbone took 214.7 instead of 217.2 ms, SLAB-Swin-T 204.1
-    instead of 207.7, RePa-Swin-T 155.4 instead of 162.3 (medians of 9, interleaved), with
-    identical outputs."""
+    stream that the residual addition also reads: not changed. The outputs are identical."""
     ov = import_openvino()
     moved = 0
     for fq in list(model.get_ordered_ops()):

@@ -63,6 +63,13 @@ def has_bf16() -> bool:
     return bool({'avx512_bf16', 'amx_bf16'} & set(cpu_flags()))
 
 
+def has_int8_dot_product() -> bool:
+    """Whether the CPU sums 8-bit products into 32 bits in one instruction (VNNI or AMX).
+    Without it, x86 kernels pair u8 x s8 products in 16 bits, which can saturate, so the
+    runtimes compute some INT8 layers differently (or in float) there."""
+    return bool({'avx512_vnni', 'avx_vnni', 'amx_int8'} & set(cpu_flags()))
+
+
 def require_bf16(what: str) -> None:
     """Refuse ``what`` in bf16 on a CPU without bf16 units (it would run emulated, slower)."""
     if not has_bf16():
@@ -121,14 +128,14 @@ def machine_info(device=None) -> dict:
 
 
 def gpu_line(gpu: dict) -> str:
-    """``'NVIDIA H100 80GB HBM3 (sm 9.0, 79.1 GiB; CUDA 12.8, cuDNN 90100, driver 570.1)'``."""
+    """``'<GPU name> (sm 9.0, 79.1 GiB; CUDA 12.8, cuDNN 90100, driver 570.1)'``."""
     return (f"{gpu['name']} (sm {gpu['compute_capability']}, {gpu['memory_gib']:g} GiB; "
             f"CUDA {gpu['cuda']}, cuDNN {gpu['cudnn']}, driver {gpu['driver'] or 'unknown'})")
 
 
 def machine_line(info: dict = None) -> str:
-    """``'AMD EPYC (avx512, mkl), 2 threads'`` for tables and logs; a timing on a GPU names it
-    first: ``'NVIDIA H100 ... (sm 9.0, ...); host AMD EPYC (avx512, mkl), 2 threads'``."""
+    """``'<CPU model> (avx512, mkl), 2 threads'`` for tables and logs; a timing on a GPU names
+    it first: ``'<GPU name> (sm 9.0, ...); host <CPU model> (avx512, mkl), 2 threads'``."""
     info = info or machine_info()
     line = f"{info['cpu']} ({info['isa']}, {info['blas']}), {info['torch_threads']} threads"
     alloc = info.get('memory_allocator')
