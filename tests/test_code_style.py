@@ -17,16 +17,6 @@ from glob import glob
 
 from conftest import REPO
 
-#: Files another change is cleaning up right now: their hardware names and figures are
-#: listed, not failed on, and their Args entries are checked for names only. Remove each
-#: path once its file is clean, so that the file is held to every rule again.
-PENDING = {
-    'mmslab/engine/hooks/reparam_eval_hook.py',
-    'mmslab/utils/precision.py',
-    'mmslab/deploy/quantize.py',
-    'mmslab/utils/machine.py',
-}
-
 #: CPU and GPU models. Instruction-set words (AVX-512, VNNI, AMX, avx512_bf16) stay allowed:
 #: they explain what code does on which CPUs.
 HARDWARE = [
@@ -110,10 +100,7 @@ def test_figure_patterns():
 
 def test_no_hardware_names_or_speed_figures_in_code_prose():
     hits = {path: figure_hits(path) for path in mmslab_files()}
-    failing = [h for path, found in hits.items() if path not in PENDING for h in found]
-    pending = [h for path in sorted(PENDING) for h in hits.get(path, [])]
-    if pending:
-        print('still to clean (PENDING):\n' + '\n'.join(pending))
+    failing = [h for found in hits.values() for h in found]
     assert not failing, (
         'hardware names or speed figures in docstrings / comments (say what the code does and '
         'why; the measurements go to docs/benchmarks.md):\n' + '\n'.join(failing))
@@ -204,8 +191,6 @@ def test_registered_classes_document_their_arguments():
                 continue  # optional: what they forward is documented where it goes
             if p.name not in entries:
                 problems.append(f'{where}: argument {p.name!r} is not in the Args section')
-                continue
-            if path in PENDING:
                 continue
             kind, text = entries[p.name]
             if not kind:

@@ -1,4 +1,6 @@
 """ReparamEvalHook inside a real mmengine Runner: fused evaluation, latency, safe checkpoints."""
+import copy
+import glob
 import json
 import uuid
 import os.path as osp
@@ -8,7 +10,7 @@ import torch
 from mmengine.config import Config
 from mmengine.hooks import Hook
 
-import mmslab
+import mmslab  # noqa: F401 (registers the models)
 from mmslab.datasets.demo_data import make_ade_demo, make_coco_demo
 from mmslab.engine.hooks import ReparamEvalHook
 from mmslab.models import statistic_modules
@@ -159,13 +161,140 @@ def test_equivalence_check_names_the_divergent_module(data_dir, tmp_path, monkey
         return model
 
     monkeypatch.setattr(hook_mod, 'reparameterize', broken)  # the name the hook calls
-    cfg = seg_cfg(data_dir, tmp_path / 'bad', dict(type='ReparamEvalHook'))
+    cfg = seg_cfg(data_dir, tmp_path / 'bad', dict(type='ReparamEvalHook', on_mismatch='raise'))
     cfg.update(train_cfg=None, optim_wrapper=None, train_dataloader=None,
                default_hooks=dict(logger=dict(type='LoggerHook', interval=1)))
     runner = Runner.from_cfg(Config(cfg))
     with pytest.raises(RuntimeError, match='differs') as err:
         runner.val()
     assert 'Linear' in str(err.value) and 'stages.1.blocks.0.attn' in str(err.value)
+
+
+def break_a_fused_linear(monkeypatch):
+    import mmslab.engine.hooks.reparam_eval_hook as hook_mod
+    original = hook_mod.reparameterize
+
+    def broken(model):
+        model = original(model)
+        with torch.no_grad():
+            model.backbone.stages[1].blocks[0].attn.w_msa.proj.weight.mul_(1.5)
+        return model
+
+    monkeypatch.setattr(hook_mod, 'reparameterize', broken)
+
+
+def test_a_failed_fusion_check_does_not_stop_training(data_dir, tmp_path, monkeypatch):
+    """In a training run's validation a wrong fold is logged as an error naming the module;
+    the validation evaluates the unfused model (the metrics of a run without fusion), and
+    training goes on to its end and saves its checkpoints. A test run still fails."""
+    from mmengine.runner import Runner
+    metrics = {}
+
+    class Metrics(Hook):
+        def __init__(self):
+            self.metrics = []
+
+        def after_val_epoch(self, runner, metrics=None):
+            self.metrics.append(metrics)
+
+    for name, hook in (('plain', dict(type='ReparamEvalHook', reparam=False, warmup=0)),
+                       ('broken', dict(type='ReparamEvalHook', warmup=0))):
+        if name == 'broken':
+            break_a_fused_linear(monkeypatch)
+        cfg = seg_cfg(data_dir, tmp_path / name, hook)
+        cfg['train_cfg'] = dict(type='IterBasedTrainLoop', max_iters=4, val_interval=2)
+        cfg['default_hooks']['checkpoint'] = dict(type='CheckpointHook', interval=2,
+                                                  by_epoch=False)
+        runner = Runner.from_cfg(Config(cfg))
+        probe = Metrics()
+        runner.register_hook(probe, priority='LOWEST')
+        runner.train()
+        metrics[name] = probe.metrics
+        assert runner.iter == 4
+        assert (tmp_path / name / 'iter_4.pth').exists()
+    logs = glob.glob(str(tmp_path / 'broken' / '*' / '*.log'))
+    with open(logs[0]) as f:
+        errors = [line for line in f if ' - ERROR - ' in line]
+    assert len(errors) == 2  # each validation checks again
+    assert all('stages.1.blocks.0.attn' in e and 'training goes on' in e for e in errors)
+    # the unfused model evaluated: the same metrics as the run that never fused, at both
+    # validations (fusing draws no random numbers from the training's stream)
+    assert len(metrics['broken']) == 2
+    for broken, plain in zip(metrics['broken'], metrics['plain']):
+        assert broken == pytest.approx(plain)
+    with open(tmp_path / 'broken' / 'latency.json') as f:
+        lat = json.load(f)
+    assert lat['fusion_check']['result'] == 'failed'
+    assert lat['timed'].startswith('unfused') and lat['max_relative_difference'] > 1e-3
+    # a test run (tools/test.py's path) fails on the same fold
+    cfg = _eval_only(seg_cfg(data_dir, tmp_path / 'test', dict(type='ReparamEvalHook')))
+    cfg.update(test_dataloader=cfg['val_dataloader'], test_evaluator=cfg['val_evaluator'],
+               test_cfg=dict(type='TestLoop'))
+    with pytest.raises(RuntimeError, match='differs'):
+        Runner.from_cfg(Config(cfg)).test()
+
+
+def test_the_fusion_check_computes_in_ieee_float32(data_dir, tmp_path, monkeypatch):
+    """A process that lets float32 products run in lower precision (PyTorch's default TF32
+    for cuDNN convolutions on a GPU, ``set_float32_matmul_precision('high')``) still gets a
+    float32 comparison, and its settings are as they were afterwards, after an error inside
+    too. The CPU has no TF32: a fused copy whose output moves by 2e-3 while a TF32 setting
+    is on stands in for it (a correct fold that TF32 makes look wrong)."""
+    from mmengine.runner import Runner
+    import mmslab.engine.hooks.reparam_eval_hook as hook_mod
+    from mmslab.utils.precision import ieee_float32
+    backends = torch.backends
+    if not hasattr(backends.cudnn.conv, 'fp32_precision'):
+        pytest.skip('this torch has no per-backend float32 precision')
+
+    def settings():
+        return (backends.cuda.matmul.fp32_precision, backends.cudnn.conv.fp32_precision,
+                backends.mkldnn.matmul.fp32_precision, torch.get_float32_matmul_precision())
+
+    def reduced_precision_on() -> bool:
+        return 'tf32' in settings() or torch.get_float32_matmul_precision() != 'highest'
+
+    original = hook_mod.reparameterize
+
+    def fold_under_tf32(model):
+        model = original(model)
+        proj = model.backbone.stages[1].blocks[0].attn.w_msa.proj
+        proj.register_forward_hook(
+            lambda m, i, out: out * (1 + 2e-3) if reduced_precision_on() else out)
+        return model
+
+    monkeypatch.setattr(hook_mod, 'reparameterize', fold_under_tf32)
+    before = settings()
+    try:
+        torch.set_float32_matmul_precision('high')
+        backends.cudnn.conv.fp32_precision = 'tf32'  # PyTorch's default
+        reduced = settings()
+        assert reduced_precision_on()
+        with pytest.raises(ZeroDivisionError):
+            with ieee_float32():
+                assert not reduced_precision_on() and not torch.is_autocast_enabled('cpu')
+                1 / 0
+        assert settings() == reduced
+        cfg = _eval_only(seg_cfg(data_dir, tmp_path / 'reduced',
+                                 dict(type='ReparamEvalHook', on_mismatch='raise')))
+        runner = Runner.from_cfg(Config(cfg))
+        runner.val()  # the check compares in float32: the fold passes
+        hook = next(h for h in runner.hooks if isinstance(h, ReparamEvalHook))
+        assert hook.last_result['max_relative_difference'] < 1e-4
+        assert hook.last_result['fusion_check']['result'] == 'passed'
+        assert settings() == reduced
+        # outside the check the stand-in does move the output: what the check is kept from
+        data = runner.model.data_preprocessor(next(iter(runner.val_dataloader)), False)
+        fused = fold_under_tf32(copy.deepcopy(runner.model).eval())
+        with torch.no_grad():
+            diff = hook_mod.max_relative_difference(
+                hook_mod.comparable_outputs(runner.model.eval(), data),
+                hook_mod.comparable_outputs(fused, data))
+        assert diff > 1e-3
+    finally:
+        torch.set_float32_matmul_precision(before[3])
+        (backends.cuda.matmul.fp32_precision, backends.cudnn.conv.fp32_precision,
+         backends.mkldnn.matmul.fp32_precision) = before[:3]
 
 
 def test_detector_test_loop_reports_coco_metrics_and_latency(data_dir, tmp_path):
@@ -228,6 +357,8 @@ def test_hook_validates_options():
         ReparamEvalHook(warmup=-1)
     with pytest.raises(TypeError):
         ReparamEvalHook(warmpu=3)
+    with pytest.raises(ValueError, match="on_mismatch='warn'; valid: 'auto', 'raise', 'log'"):
+        ReparamEvalHook(on_mismatch='warn')
 
 
 def _eval_only(cfg):

@@ -15,6 +15,7 @@ or ``auto`` (the faster of fp32 and bf16, measured on the machine at hand).
   ``AUTO_MARGIN`` times faster. It never chooses INT8: INT8 changes the model (its
   accuracy is the user's call, ``--precision int8``), bf16 only rounds its arithmetic.
 """
+import contextlib
 from typing import Callable, Dict, Iterator, Optional
 
 import torch
@@ -28,6 +29,63 @@ PRECISION_DTYPES = dict(fp32=None, fp16=torch.float16, bf16=torch.bfloat16)
 AUTO_MARGIN = 1.05
 AUTO_WARMUP = 1
 AUTO_REPEAT = 3
+
+
+# ----------------------------------------------------------------------------------------------
+# IEEE float32
+# ----------------------------------------------------------------------------------------------
+
+_FP32_PRECISION_NODES = ('', 'cuda.matmul', 'cudnn', 'cudnn.conv', 'cudnn.rnn', 'mkldnn',
+                         'mkldnn.matmul', 'mkldnn.conv', 'mkldnn.rnn')
+_FP32_PRECISION_LEAVES = ('cuda.matmul', 'cudnn.conv', 'cudnn.rnn', 'mkldnn.matmul',
+                          'mkldnn.conv', 'mkldnn.rnn')
+
+
+def _float32_precision_settings():
+    """``(object, attribute, leaf)`` of each float32-precision setting this torch has: the
+    per-backend ``fp32_precision`` strings (parents before children, so restoring them in this
+    order ends with the children's own values), or the legacy ``allow_tf32`` flags on a torch
+    without them."""
+    backends = torch.backends
+    if hasattr(getattr(backends.cuda, 'matmul', None), 'fp32_precision'):
+        settings = []
+        for name in _FP32_PRECISION_NODES:
+            obj = backends
+            for part in filter(None, name.split('.')):
+                obj = getattr(obj, part, None)
+            if obj is not None and hasattr(obj, 'fp32_precision'):
+                settings.append((obj, 'fp32_precision', name in _FP32_PRECISION_LEAVES))
+        return settings
+    return [(backends.cuda.matmul, 'allow_tf32', True), (backends.cudnn, 'allow_tf32', True)]
+
+
+@contextlib.contextmanager
+def ieee_float32():
+    """Compute float32 as float32 inside, whatever the process chose: no TF32 in CUDA matmuls
+    or cuDNN convolutions (PyTorch's default for cuDNN on Ampere and newer GPUs), no reduced
+    precision in oneDNN, ``torch.get_float32_matmul_precision() == 'highest'``, autocast off.
+    Every setting is restored on exit, by an exception too.
+
+    A comparison of two float32 computations (a fused model against its unfused source) is
+    only meaningful at full precision: TF32 rounds the inputs of each product to 10 mantissa
+    bits, a relative error near 1e-3 after a deep network, the size of a wrong fold."""
+    settings = _float32_precision_settings()
+    saved = [getattr(obj, attr) for obj, attr, _ in settings]
+    saved_matmul = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision('highest')
+        for obj, attr, leaf in settings:
+            if leaf:  # the operators' own settings (a parent's 'none' defers to them)
+                setattr(obj, attr, False if attr == 'allow_tf32' else 'ieee')
+        with contextlib.ExitStack() as stack:
+            for device_type in ('cpu', 'cuda'):
+                if device_type == 'cpu' or torch.cuda.is_available():
+                    stack.enter_context(torch.autocast(device_type, enabled=False))
+            yield
+    finally:
+        torch.set_float32_matmul_precision(saved_matmul)
+        for (obj, attr, _), value in zip(settings, saved):
+            setattr(obj, attr, value)
 
 
 # ----------------------------------------------------------------------------------------------

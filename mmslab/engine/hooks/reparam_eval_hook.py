@@ -1,6 +1,7 @@
 """Evaluate the re-parameterized (fused) model and measure per-image latency."""
 import copy
 import json
+import logging
 import os.path as osp
 from typing import Optional
 
@@ -9,6 +10,7 @@ import torch.nn as nn
 from mmdet.models.detectors import BaseDetector
 from mmengine.dist import all_gather_object, get_world_size, is_main_process
 from mmengine.hooks import Hook
+from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
 
 from mmslab.models.layers.reparameterizable import Reparameterizable
@@ -16,7 +18,7 @@ from mmslab.models.reparam import reparameterize
 from mmslab.registry import register_hook
 from mmslab.utils.machine import machine_info
 from mmslab.utils.precision import (AutocastRegions, autocast_dtype,
-                                    check_autocast_precision)
+                                    check_autocast_precision, ieee_float32)
 from mmslab.utils.timing import latency_stats, module_device, timed_ms, timing_method
 
 
@@ -122,6 +124,34 @@ def fusion_changed_modules(model: nn.Module) -> set:
     return changed
 
 
+def fusion_difference(unfused: nn.Module, fused: nn.Module, data: dict, tolerance: float):
+    """Compare a fused model with its unfused source on one preprocessed batch ``data``, in
+    IEEE float32 whatever the process's TF32 / reduced-precision settings
+    (:func:`mmslab.utils.precision.ieee_float32`).
+
+    Returns ``(diff, where)``: the largest relative difference of :func:`comparable_outputs`
+    and, when it exceeds ``tolerance``, ``(name, type, diff)`` of the first module that
+    diverged (:func:`first_divergent_module`), else None."""
+    with ieee_float32(), torch.no_grad():
+        diff = max_relative_difference(comparable_outputs(unfused, data),
+                                       comparable_outputs(fused, data))
+        where = first_divergent_module(unfused, fused, data, tolerance) \
+            if diff > tolerance else None
+    return diff, where
+
+
+def fusion_mismatch_message(diff: float, tolerance: float, where) -> str:
+    detail = f' first at {where[0]} ({where[1]}, diff {where[2]:.3g})' if where else ''
+    return (f'the fused model differs from the unfused one by {diff:.3g} (relative, float32 '
+            f'tolerance {tolerance}):{detail}')
+
+
+#: What a failed fusion check does: ``'raise'``; ``'log'``: log an error and evaluate the
+#: unfused model; ``'auto'``: ``'log'`` in the validation of a training run, ``'raise'`` in
+#: a test run (``tools/test.py``).
+ON_MISMATCH = ('auto', 'raise', 'log')
+
+
 def _summary(times_ms):
     """Per-image latency figures of latency.json."""
     if not times_ms:
@@ -143,40 +173,58 @@ class ReparamEvalHook(Hook):
     weights. With a DDP-wrapped model each rank fuses its own inner module.
 
     Args:
-        reparam: evaluate the fused copy (False: evaluate the model as is, still timed).
-        check_equivalence: on the first batch of each run compare the fused and unfused
-            models' neck features (detectors) or logits (segmentors); a difference above
-            ``tolerance`` (relative to the largest output) raises an error naming the first
-            module type that diverged.
-        tolerance: relative tolerance of that check.
-        measure_latency: time preprocessing + forward + post-processing per image (data
-            loading excluded), after ``warmup`` batches. On a CUDA device with CUDA events
-            (queued work waited for before and after each step), on the CPU with
-            ``time.perf_counter`` (:func:`mmslab.utils.timing.timed_ms`).
-        warmup: batches not timed.
-        compare_unfused: also time the unfused model on the same batches, alternating which
-            runs first, and report the ratio. The unfused model runs in the fused model's
-            precision (this hook's ``precision`` or ``PrecisionHook``'s).
-        precision: 'fp32' (default), 'fp16' or 'bf16': the evaluated model's network parts
+        reparam (bool): evaluate the fused copy (False: evaluate the model as is, still
+            timed). Default: True.
+        check_equivalence (bool): on the first batch of each run compare the fused and
+            unfused models' neck features (detectors) or logits (segmentors) in IEEE float32,
+            with TF32 and reduced-precision float32 turned off for the comparison and
+            restored after it (:func:`fusion_difference`). A difference above ``tolerance``
+            names the first module that diverged and is handled as ``on_mismatch`` says.
+            Default: True.
+        tolerance (float): relative tolerance of that check (to the largest output), a
+            float32 tolerance whatever ``precision`` the evaluation runs in: a correct fold
+            differs by float32 rounding, TF32 rounding alone by about as much as this.
+            Default: 1e-3.
+        on_mismatch (str): what a failed check does: ``'raise'`` an error; ``'log'`` an
+            error in the log, then evaluate (and time) the unfused model, so that the
+            metrics are those of the trained model and training goes on; ``'auto'``:
+            ``'log'`` in a validation, ``'raise'`` in a test run (``tools/test.py``). Every
+            rank takes the same decision. Default: 'auto'.
+        measure_latency (bool): time preprocessing + forward + post-processing per image
+            (data loading excluded), after ``warmup`` batches: on a CUDA device with CUDA
+            events, on the CPU with ``time.perf_counter``
+            (:func:`mmslab.utils.timing.timed_ms`). Default: True.
+        warmup (int): batches not timed. Default: 2.
+        compare_unfused (bool): also time the unfused model on the same batches,
+            alternating which runs first, and report the ratio. The unfused model runs in the
+            fused model's precision (this hook's ``precision`` or ``PrecisionHook``'s).
+            Default: False.
+        precision (str): 'fp32', 'fp16' or 'bf16': the evaluated model's network parts
             (backbone, neck, heads) run under ``torch.autocast`` inside ``predict``, float32
-            in between and after (:class:`mmslab.utils.precision.AutocastRegions`); the
-            equivalence check still compares float32 features. fp16 needs a CUDA device,
-            bf16 a GPU of compute capability 8.0+ or a CPU with avx512_bf16 / amx_bf16
-            (checked when the evaluation starts). Excludes ``PrecisionHook``.
-        out_file: name of the JSON written to the work dir: the latency figures with the
-            ``device``, ``precision``, ``timing`` method and ``machine``
-            (:func:`mmslab.utils.machine.machine_info`; on a GPU with its ``gpu`` entry), and
-            ``timed``: what the ``fused`` figures timed, ``'fused'``, ``'as is'`` or, when
-            ``RuntimeBackendHook`` runs an export in the test loop, the deployed form
-            (``'deployed: openvino int8 whole model'``), which the log line names too.
+            in between and after (:class:`mmslab.utils.precision.AutocastRegions`). fp16
+            needs a CUDA device, bf16 a GPU of compute capability 8.0+ or a CPU with
+            avx512_bf16 / amx_bf16 (checked when the evaluation starts). Excludes
+            ``PrecisionHook``. Default: 'fp32'.
+        out_file (str): name of the JSON written to the work dir: the latency figures with
+            the ``device``, ``precision``, ``timing`` method and ``machine``
+            (:func:`mmslab.utils.machine.machine_info`), the ``fusion_check`` (its
+            ``result``: passed, failed or not run, and ``tolerance``), and ``timed``: what
+            the ``fused`` figures timed: ``'fused'``, ``'as is'``, ``'unfused: the fusion
+            check failed'`` or, when ``RuntimeBackendHook`` runs an export in the test loop,
+            the deployed form (``'deployed: openvino int8 whole model'``).
+            Default: 'latency.json'.
     """
 
     priority = 'VERY_HIGH'  # runs before CheckpointHook (VERY_LOW) in after_val_epoch
 
     def __init__(self, reparam: bool = True, check_equivalence: bool = True,
-                 tolerance: float = 1e-3, measure_latency: bool = True, warmup: int = 2,
+                 tolerance: float = 1e-3, on_mismatch: str = 'auto',
+                 measure_latency: bool = True, warmup: int = 2,
                  compare_unfused: bool = False, precision: str = 'fp32',
                  out_file: str = 'latency.json'):
+        if on_mismatch not in ON_MISMATCH:
+            raise ValueError(f'ReparamEvalHook: on_mismatch={on_mismatch!r}; valid: '
+                             + ', '.join(repr(c) for c in ON_MISMATCH))
         if warmup < 0:
             raise ValueError(f'warmup must be >= 0, got {warmup}')
         try:
@@ -188,6 +236,7 @@ class ReparamEvalHook(Hook):
         self.reparam = reparam
         self.check_equivalence = check_equivalence
         self.tolerance = tolerance
+        self.on_mismatch = on_mismatch
         self.measure_latency = measure_latency
         self.warmup = warmup
         self.compare_unfused = compare_unfused
@@ -212,13 +261,17 @@ class ReparamEvalHook(Hook):
         was_training = inner.training
         inner.eval()
         if self.reparam:
-            fused = reparameterize(copy.deepcopy(inner))
+            # building the fused layers draws initial weights: not from the training's stream
+            cuda = [device.index or 0] if device.type == 'cuda' and torch.cuda.is_available() \
+                else []
+            with torch.random.fork_rng(devices=cuda):
+                fused = reparameterize(copy.deepcopy(inner))
         else:
             fused = inner
         self._saved_model = (original, was_training)
         self._active = dict(mode=mode, inner=inner, fused=fused, fused_ms=[], unfused_ms=[],
                             batches=0, max_diff=None, device=device, precision='fp32',
-                            regions=[])
+                            regions=[], unfused_fallback=False, check=None)
         if self.precision != 'fp32':
             self._active['regions'].append(
                 AutocastRegions(fused, autocast_dtype(self.precision), device.type))
@@ -252,14 +305,17 @@ class ReparamEvalHook(Hook):
         compare = self.compare_unfused and self.reparam
 
         def timed(data_batch):
-            if self.reparam and self.check_equivalence and not self._checked:
+            if self.reparam and self.check_equivalence and not self._checked and \
+                    active['check'] is None:  # once per run, until one passes
                 self._check(inner, fused, data_batch)
+            fallback = active['unfused_fallback']
             n_img = len(data_batch['inputs']) if isinstance(data_batch, dict) else 1
             timed_run = self.measure_latency and active['batches'] >= self.warmup
             fused_regions = AutocastRegions.of(fused)  # this hook's or PrecisionHook's
             active['precision'] = fused_regions.precision if fused_regions else 'fp32'
-            order = [('fused', fused_step)]
-            if compare:
+            # 'fused': the evaluated model, the unfused one after a failed check
+            order = [('fused', unfused_step if fallback else fused_step)]
+            if compare and not fallback:
                 self._match_precision(inner, fused_regions)
                 order.append(('unfused', unfused_step))
                 if active['batches'] % 2:
@@ -291,16 +347,26 @@ class ReparamEvalHook(Hook):
     def _check(self, inner: nn.Module, fused: nn.Module, data_batch) -> None:
         with torch.no_grad():
             data = inner.data_preprocessor(data_batch, False)
-            ref = comparable_outputs(inner, data)
-            out = comparable_outputs(fused, data)
-        diff = max_relative_difference(ref, out)
+        diff, where = fusion_difference(inner, fused, data, self.tolerance)
         self._active['max_diff'] = diff
-        if diff > self.tolerance:
-            where = first_divergent_module(inner, fused, data, self.tolerance)
-            detail = f' first at {where[0]} ({where[1]}, diff {where[2]:.3g})' if where else ''
-            raise RuntimeError(f'the fused model differs from the unfused one by {diff:.3g} '
-                               f'(relative, tolerance {self.tolerance}):{detail}')
-        self._checked = True
+        failed = diff > self.tolerance
+        if get_world_size() > 1:  # one decision for every rank: no rank waits on another
+            failed = any(all_gather_object(failed))
+        self._active['check'] = 'failed' if failed else 'passed'
+        if not failed:
+            self._checked = True
+            return
+        message = fusion_mismatch_message(diff, self.tolerance, where)
+        action = self.on_mismatch
+        if action == 'auto':
+            action = 'log' if self._active['mode'] == 'val' else 'raise'
+        if action == 'raise':
+            raise RuntimeError(message)
+        # checked again at the next validation: a wrong fold stays visible in every one
+        print_log(f'ReparamEvalHook: {message}. This validation evaluates the unfused '
+                  'model; training goes on.', logger='current', level=logging.ERROR)
+        self._active['unfused_fallback'] = True
+        self._match_precision(inner, AutocastRegions.of(fused))
 
     def _report(self, runner) -> None:
         active = self._active
@@ -334,6 +400,10 @@ class ReparamEvalHook(Hook):
         result['machine'] = machine_info(device)
         deployed = self._deployed_form(runner)
         result['timed'] = deployed or ('fused' if self.reparam else 'as is')
+        if active['unfused_fallback']:
+            result['timed'] = 'unfused: the fusion check failed'
+        result['fusion_check'] = dict(result=active['check'] or 'not run',
+                                      tolerance=self.tolerance)
         self.last_result = result
         what = deployed or f"{result['timed']}, {device} {active['precision']}"
         lines = [f"{active['mode']} latency per image ({what}): "
