@@ -90,3 +90,38 @@ def test_export_round_trip_gives_same_outputs_and_metrics(tmp_path):
     fused = test_tool.main([cfg_out, ckpt_out, '--work-dir', str(tmp_path / 'w2')])
     assert unfused['mIoU'] == pytest.approx(fused['mIoU'])
     assert unfused['aAcc'] == pytest.approx(fused['aAcc']) and unfused['aAcc'] > 0
+
+
+def test_reparameterize_tool_refuses_a_wrong_fold(tmp_path, monkeypatch, capsys):
+    """tools/reparameterize.py compares the fused model with the unfused one (float32, a
+    test-set image) before writing anything: a correct fold passes and is reported, a wrong
+    one exits with the module it diverged at and no file written."""
+    make_ade_demo(str(tmp_path / 'ade'), num_train=1, num_val=1, img_size=64, seed=3,
+                  progress=False)
+    cfg_path = tmp_path / 'tiny_upernet.py'
+    cfg_path.write_text(CONFIG.format(
+        data_root=str(tmp_path / 'ade' / 'ADEChallengeData2016')))
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
+    from mmseg.registry import MODELS
+    init_default_scope('mmseg')
+    torch.manual_seed(0)
+    model = MODELS.build(Config.fromfile(str(cfg_path)).model)
+    model.init_weights()
+    ckpt = tmp_path / 'model.pth'
+    torch.save(dict(state_dict=model.state_dict(), meta=dict()), ckpt)
+    tool = load_tool('reparameterize')
+    tool.main([str(cfg_path), str(ckpt), str(tmp_path / 'good')])
+    assert 'fusion check: fused vs unfused' in capsys.readouterr().out
+    fold = mmslab.reparameterize
+
+    def wrong_fold(m):
+        m = fold(m)
+        with torch.no_grad():
+            m.backbone.stages[2].blocks[0].attn.w_msa.proj.weight.mul_(1.2)
+        return m
+
+    monkeypatch.setattr(mmslab, 'reparameterize', wrong_fold)
+    with pytest.raises(SystemExit, match='differs.*stages.2.blocks.0.attn.w_msa.proj'):
+        tool.main([str(cfg_path), str(ckpt), str(tmp_path / 'bad')])
+    assert not (tmp_path / 'bad').exists()

@@ -37,6 +37,7 @@ on CPUs with bf16 units also OpenVINO bf16's deviation (``bf16_on_test_images``:
 run with ``INFERENCE_PRECISION_HINT=bf16``, as ``tools/test.py --precision bf16`` runs it).
 """
 import argparse
+import copy
 import os
 import os.path as osp
 import time
@@ -56,6 +57,7 @@ from mmslab.deploy.onnx_export import (DEFAULT_ATTENTION_LAYOUT, PARTS, ExportWr
 from mmslab.deploy.quantize import (calibration_images, preprocessed_images,
                                     quantize_onnxruntime, quantize_openvino)
 from mmslab.deploy.runtimes import RUNTIMES, artifact_path, load_runtime_model
+from mmslab.engine.hooks.reparam_eval_hook import verify_fusion
 from mmslab.models.layers.window_attention import ATTENTION_LAYOUTS
 from mmslab.utils.launch import build_model_from_config, load_config
 from mmslab.utils.machine import has_bf16
@@ -137,8 +139,9 @@ def build(args):
                   logger='current', level=30)
         model.init_weights()
         condition_random_weights(model.eval(), shape)
+    unfused = copy.deepcopy(model)
     mmslab.reparameterize(model)
-    return cfg, model, shape
+    return cfg, model, shape, unfused
 
 
 def test_images(cfg, model, args, shape):
@@ -199,7 +202,13 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
-    cfg, model, shape = build(args)
+    cfg, model, shape, unfused = build(args)
+    images, source = test_images(cfg, model, args, shape)
+    try:  # the fold itself, before anything is exported from it (float32, one image)
+        verify_fusion(unfused, model, [torch.from_numpy(images[0])])
+    except RuntimeError as err:
+        raise SystemExit(f'error: {err}') from None
+    del unfused
     part = args.part
     try:
         ExportWrapper(model, part, args.seg_argmax)  # refuses what does not apply
@@ -242,7 +251,6 @@ def main(argv=None):
             quantize_openvino(artifact_path(args.out, 'openvino', 'fp32'),
                               artifact_path(args.out, 'openvino', 'int8'), calib)
 
-    images, source = test_images(cfg, model, args, shape)
     report['parity_images'] = dict(source=source,
                                    sizes=['x'.join(map(str, im.shape[-2:])) for im in images])
     refs = [torch_outputs(model, part, torch.from_numpy(im), args.seg_argmax) for im in images]

@@ -11,6 +11,7 @@ evaluates the fused model directly. This is the only way mmslab writes fused wei
 training run's checkpoints always hold the unfused model.
 """
 import argparse
+import copy
 import os
 import os.path as osp
 
@@ -19,6 +20,7 @@ from mmengine.config import Config, DictAction
 from mmengine.runner import load_checkpoint
 
 import mmslab
+from mmslab.engine.hooks.reparam_eval_hook import verify_fusion
 from mmslab.models import statistic_modules
 from mmslab.utils.launch import build_model_from_config, model_registry
 
@@ -52,13 +54,32 @@ def deploy_config(cfg: Config, backbone) -> Config:
     return cfg
 
 
+def check_fusion(cfg, unfused, fused) -> None:
+    """Compare the fused model with the unfused one on a test-set image (a random one where
+    the config's data is not there), in float32; exit with an error on a wrong fold."""
+    from mmslab.deploy.quantize import preprocessed_images
+    try:
+        images, source = preprocessed_images(cfg, unfused, 1, 'test'), 'a test-set image'
+    except (FileNotFoundError, RuntimeError, ValueError) as err:
+        images = [torch.randn(1, 3, 512, 512, generator=torch.Generator().manual_seed(0))]
+        source = f'a random 512x512 image ({err})'
+    try:
+        diff = verify_fusion(unfused, fused, images)
+    except RuntimeError as err:
+        raise SystemExit(f'error: {err}; nothing was written') from None
+    print(f'fusion check: fused vs unfused {diff:.2e} (relative, float32) on {source}')
+
+
 def main(argv=None):
     args = parse_args(argv)
     cfg, model = build_model_from_config(args.config, args.cfg_options)
     MODELS = model_registry(cfg.default_scope)
     ckpt = load_checkpoint(model, args.checkpoint, map_location='cpu', strict=True)
     model.eval()
+    unfused = copy.deepcopy(model)
     mmslab.reparameterize(model)
+    check_fusion(cfg, unfused, model)
+    del unfused
     left = statistic_modules(model.backbone)
     os.makedirs(args.out_dir, exist_ok=True)
     stem = osp.splitext(osp.basename(args.config))[0] + '_deploy'

@@ -146,6 +146,21 @@ def fusion_mismatch_message(diff: float, tolerance: float, where) -> str:
             f'tolerance {tolerance}):{detail}')
 
 
+def verify_fusion(unfused: nn.Module, fused: nn.Module, images, tolerance: float = 1e-3) -> float:
+    """Raise ``RuntimeError`` naming the first diverging module where ``fused`` differs from
+    ``unfused`` by more than ``tolerance`` on any of ``images`` (preprocessed ``[1, 3, H, W]``
+    arrays or tensors); returns the largest difference. For the tools that write a fused
+    model (``tools/reparameterize.py``, ``tools/export_onnx.py``): they fail loudly."""
+    worst = 0.0
+    for image in images:
+        data = dict(inputs=torch.as_tensor(image))
+        diff, where = fusion_difference(unfused, fused, data, tolerance)
+        if diff > tolerance:
+            raise RuntimeError(fusion_mismatch_message(diff, tolerance, where))
+        worst = max(worst, diff)
+    return worst
+
+
 #: What a failed fusion check does: ``'raise'``; ``'log'``: log an error and evaluate the
 #: unfused model; ``'auto'``: ``'log'`` in the validation of a training run, ``'raise'`` in
 #: a test run (``tools/test.py``).
