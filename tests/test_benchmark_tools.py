@@ -487,3 +487,59 @@ def test_trained_like_parameters_leaves_no_constant_parameter_for_a_runtime_to_f
         backbone = deploy_speed.build_backbone(name)
         flat = [p.detach().flatten() for p in backbone.parameters() if p.numel() > 1]
         assert not any(bool((f == f[0]).all()) for f in flat), name
+
+
+LN_TINY_CFG = TINY_CFG.replace("type='RePaSwin'", "type='ReparamSwinTransformer'").replace(
+    "norm_cfg=dict(type='PRepBN', step=5)", "norm_cfg=dict(type='LN')")
+
+
+def test_training_benchmark_times_steps_interleaved(tmp_path):
+    """tools/benchmark_train.py: backbone training steps of each config and mmdet's Swin-T,
+    interleaved; ratios per round against the first config; progressive norms mid-decay;
+    JSON and plot. Then whole-model steps of a segmentor, with its own losses."""
+    control, method = tmp_path / 'tiny_ln.py', tmp_path / 'tiny_repa_prepbn.py'
+    control.write_text(LN_TINY_CFG)
+    method.write_text(TINY_CFG)
+    tool = load_script('tools/benchmark_train.py')
+    report = tool.main([str(control), str(method), '--shape', '64x64', '--batch', '2',
+                        '--repeat', '3', '--warmup', '1', '--device', 'cpu',
+                        '--out', str(tmp_path / 'train')])
+    with open(tmp_path / 'train' / 'benchmark_train.json') as f:
+        saved = json.load(f)
+    assert saved['models'].keys() == {'tiny_ln', 'tiny_repa_prepbn', 'mmdet Swin-T'}
+    assert saved['reference'] == 'tiny_ln' and saved['machine']['cpu']
+    for name, row in saved['models'].items():
+        assert len(row['times_ms']) == 3 and row['step_ms']['min'] > 0
+        ratios = [a / b for a, b in zip(row['times_ms'], saved['models']['tiny_ln']['times_ms'])]
+        assert row['vs_reference']['median'] == pytest.approx(sorted(ratios)[1])
+        assert 'vs_mmdet_swin' in row
+    assert saved['models']['tiny_ln']['vs_reference']['median'] == 1.0
+    assert saved['models']['tiny_repa_prepbn']['progressive_norms'] > 0
+    assert saved['models']['tiny_ln']['progressive_norms'] == 0
+    assert osp.getsize(tmp_path / 'train' / 'benchmark_train.png') > 1000
+    report = tool.main([str(method), '--part', 'model', '--shape', '64x64', '--batch', '2',
+                        '--repeat', '1', '--warmup', '0', '--device', 'cpu',
+                        '--out', str(tmp_path / 'model')])
+    assert list(report['models']) == ['tiny_repa_prepbn'] and report['mmdet_swin'] is None
+    with pytest.raises(SystemExit):
+        tool.parse_args([str(method), '--prepbn-progress', '1.5', '--out', str(tmp_path)])
+
+
+def test_training_benchmark_step_updates_every_parameter(tmp_path):
+    """One training step gives every parameter of a progressive-norm backbone mid-decay a
+    gradient (both statistics computed), and fp32 steps are deterministic."""
+    import torch
+    method = tmp_path / 'tiny_repa_prepbn.py'
+    method.write_text(TINY_CFG)
+    tool = load_script('tools/benchmark_train.py')
+    model, _ = tool.build(str(method), 'backbone')
+    model.train()
+    assert tool.set_schedule(model, 0.5) > 0
+    norms = [m for m in model.modules() if hasattr(m, 'ratio')]
+    assert norms and all(0.0 < m.ratio < 1.0 for m in norms)
+    torch.manual_seed(0)
+    step = tool.training_step(model, 'backbone', (64, 64), 2, 'fp32', torch.device('cpu'))
+    first = step()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing
+    assert torch.isfinite(first)

@@ -96,3 +96,66 @@ def test_gpu_check_step_timeout_stops_a_hung_step(tmp_path):
     code, _ = gpu_check.run([sys.executable, '-c', 'import sys; print("ok"); sys.exit(3)'],
                             str(tmp_path / 'ok.log'), timeout=30)
     assert code == 3 and (tmp_path / 'ok.log').read_text() == 'ok\n'
+
+
+def test_gpu_check_trains_the_real_configs_on_the_synthetic_sets(tmp_path):
+    """Step 3's configs: every family of the README, each against its LayerNorm control; the
+    written config keeps the real one's model and input size, trains a few iterations with
+    the synthetic classes, progressive norms mid-decay, and builds."""
+    from mmengine.config import Config
+    from mmengine.registry import DefaultScope
+    from mmslab.utils.launch import model_registry
+    import mmslab  # noqa: F401
+    check = load_tool('gpu_check')
+    families = check.REAL_CONFIGS
+    assert set(families) == {'mask_rcnn', 'retinanet', 'upernet'}
+    for family, (control, methods) in families.items():
+        assert 'swin_t' in control and osp.isfile(osp.join(REPO, control))
+        for config in [control] + methods:
+            assert osp.isfile(osp.join(REPO, config)), config
+    assert {m.split('_1x')[0].split('_160k')[0].split('/')[-1]
+            for _, ms in families.values() for m in ms} == {
+        'mask_rcnn_prepbn_swin_t', 'mask_rcnn_slab_swin_t', 'mask_rcnn_repa_swin_t',
+        'mask_rcnn_prepbn_pvt_t', 'retinanet_prepbn_swin_t', 'retinanet_slab_swin_t',
+        'retinanet_repa_swin_t', 'retinanet_prepbn_pvt_t', 'upernet_slab_swin_t'}
+    for config in ('configs/mask_rcnn_slab_swin_t_1x.py', 'configs/retinanet_repa_swin_t_1x.py',
+                   'configs/upernet_slab_swin_t_160k_ade20k.py'):
+        real = Config.fromfile(osp.join(REPO, config))
+        path = check.synthetic_config(config, 7, str(tmp_path / osp.basename(config)))
+        cfg = Config.fromfile(path)
+        assert cfg.train_cfg.max_iters == cfg.train_cfg.val_interval == 7
+        assert cfg.train_cfg.type == 'IterBasedTrainLoop'
+        assert cfg.model.backbone.init_cfg is None
+        assert cfg.train_pipeline == real.train_pipeline  # the real input size
+        classes = cfg.train_dataloader.dataset.metainfo.classes
+        assert classes == cfg.val_dataloader.dataset.metainfo.classes and len(classes) > 3
+        norm = cfg.model.backbone.get('norm_cfg') or {}
+        assert norm.get('type') != 'PRepBN' or norm['step'] == 14
+        assert ('slab' in config) == (norm.get('type') == 'PRepBN')
+        with DefaultScope.overwrite_default_scope(cfg.default_scope):
+            model = model_registry(cfg.default_scope).build(cfg.model)
+        heads = [m for m in (getattr(model, 'roi_head', None), getattr(model, 'bbox_head', None),
+                             getattr(model, 'decode_head', None)) if m is not None]
+        head = heads[0].bbox_head if hasattr(heads[0], 'bbox_head') else heads[0]
+        assert head.num_classes == len(classes)
+        assert any(h.get('type') == 'ReparamEvalHook' for h in cfg.custom_hooks)
+
+
+def test_gpu_check_reads_a_training_run(tmp_path):
+    """s/iter (after the first two logged iterations), peak memory and the fusion check are
+    read from the files a training run writes."""
+    import json
+    check = load_tool('gpu_check')
+    run_dir = tmp_path / '20261128_000000' / 'vis_data'
+    run_dir.mkdir(parents=True)
+    records = [dict(loss=3.0 - i, time=t, memory=m, step=i + 1)
+               for i, (t, m) in enumerate([(5.0, 900), (0.9, 1800), (0.5, 2048), (0.7, 1900),
+                                            (0.6, 1000)])]
+    records.append({'coco/bbox_mAP': 0.0, 'step': 5})
+    (run_dir / 'scalars.json').write_text('\n'.join(json.dumps(r) for r in records))
+    (tmp_path / 'latency.json').write_text(json.dumps(dict(
+        max_relative_difference=2e-6, fusion_check=dict(result='passed'), timed='fused')))
+    figures = check.training_figures(str(tmp_path))
+    assert figures['s_per_iter'] == 0.6 and figures['peak_memory_gib'] == 2.0
+    assert figures['iterations'] == 5 and figures['last_loss'] == -1.0
+    assert figures['fusion_difference'] == 2e-6 and figures['fusion_check'] == 'passed'

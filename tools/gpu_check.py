@@ -9,10 +9,16 @@
 2. the demo SLAB-Swin-T Mask R-CNN trained with ``--amp`` on CUDA (``tools/dist_train.sh``
    with 2 processes when 2+ GPUs), validated with the fused model through
    ``ReparamEvalHook`` (its latency.json);
-3. ``tools/benchmark.py`` for each config: the whole Mask R-CNN and the backbone at
+3. the configs users train (:data:`REAL_CONFIGS`: Mask R-CNN and RetinaNet with the LayerNorm
+   control, PRepBN-, SLAB-, RePa-Swin-T and PRepBN-PVT-T, UperNet with the control and
+   SLAB-Swin-T), each trained ``--real-iters`` iterations with ``--amp`` at the config's own
+   input size on the synthetic sets (progressive norms mid-decay), then validated through
+   ``ReparamEvalHook``: s/iter, peak memory and the fusion check's difference per config,
+   next to its family's control;
+4. ``tools/benchmark.py`` for each config: the whole Mask R-CNN and the backbone at
    800x1333, fused / unfused / mmdet's Swin-T / mmslab's LayerNorm control, fp32 and fp16
    (autocast), interleaved;
-4. one table (speed-ups vs mmdet's Swin-T and vs the LN control, with the targets of the
+5. one table (speed-ups vs mmdet's Swin-T and vs the LN control, with the targets of the
    SLAB paper's Figure 5) and ``gpu_check.json``.
 """
 import argparse
@@ -37,6 +43,20 @@ PRECISIONS = ('fp32', 'fp16')
 #: V100, Swin-T 51 ms vs Swin-T-PRepBN 43 ms); and over the LayerNorm control, for every config
 TARGETS_VS_MMDET = {'mask_rcnn_prepbn_swin_t_1x': 1.19, 'mask_rcnn_repa_swin_t_1x': 1.3}
 TARGET_VS_CONTROL = 1.0
+#: family -> (its LayerNorm control, the methods' configs), trained by step 3
+REAL_CONFIGS = {
+    'mask_rcnn': ('configs/mask_rcnn_swin_t_1x.py',
+                  ['configs/mask_rcnn_prepbn_swin_t_1x.py', 'configs/mask_rcnn_slab_swin_t_1x.py',
+                   'configs/mask_rcnn_repa_swin_t_1x.py', 'configs/mask_rcnn_prepbn_pvt_t_1x.py']),
+    'retinanet': ('configs/retinanet_swin_t_1x.py',
+                  ['configs/retinanet_prepbn_swin_t_1x.py', 'configs/retinanet_slab_swin_t_1x.py',
+                   'configs/retinanet_repa_swin_t_1x.py', 'configs/retinanet_prepbn_pvt_t_1x.py']),
+    'upernet': ('configs/upernet_swin_t_160k_ade20k.py',
+                ['configs/upernet_slab_swin_t_160k_ade20k.py']),
+}
+#: the synthetic sets' classes: those of the demo configs
+DEMO_CLASSES = {'det': 'configs/demo/mask_rcnn_slab_swin_t_demo.py',
+                'seg': 'configs/demo/upernet_slab_swin_t_demo.py'}
 
 
 def parse_args(argv=None):
@@ -47,13 +67,17 @@ def parse_args(argv=None):
     p.add_argument('--shape', default='800x1333', help='timed input size HEIGHTxWIDTH')
     p.add_argument('--configs', nargs='+', default=CONFIGS, help='configs to time')
     p.add_argument('--skip-train', action='store_true', help='only the ops check and timing')
+    p.add_argument('--real-iters', type=int, default=10,
+                   help='training iterations of each real config (0: skip that step)')
     p.add_argument('--step-timeout', type=float, default=0,
                    help='seconds a step (training, one config\'s timing) may take before it is '
                         'stopped and reported as failed; 0: no limit')
     p.add_argument('--out', default='work_dirs/gpu_check')
     args = p.parse_args(argv)
-    if args.iters < 1 or args.repeat < 1 or args.warmup < 0 or args.step_timeout < 0:
-        p.error('--iters and --repeat must be >= 1, --warmup and --step-timeout >= 0')
+    if args.iters < 1 or args.repeat < 1 or args.warmup < 0 or args.step_timeout < 0 or \
+            args.real_iters < 0:
+        p.error('--iters and --repeat must be >= 1, --warmup, --real-iters and '
+                '--step-timeout >= 0')
     return args
 
 
@@ -121,6 +145,103 @@ def train_demo(args, n_gpus, py):
         with open(latency) as f:
             result['hook_latency'] = json.load(f)
     return result
+
+
+def synthetic_config(config: str, iters: int, out_dir: str) -> str:
+    """Write a config that trains ``config`` as it is (model, input size, optimizer, hooks)
+    on the synthetic set of its task for ``iters`` iterations and validates once at the end:
+    random initial weights, the synthetic classes, a constant learning rate, and progressive
+    norms whose decay ends at ``2 * iters`` (mid-decay throughout, both statistics computed,
+    as for most of a real schedule). Returns its path."""
+    from mmengine.config import Config
+    cfg = Config.fromfile(osp.join(REPO, config))
+    task = 'seg' if cfg.default_scope == 'mmseg' else 'det'
+    classes = tuple(Config.fromfile(osp.join(REPO, DEMO_CLASSES[task])).classes)
+    backbone = dict(init_cfg=None)
+    for key in ('norm_cfg', 'out_norm_cfg'):
+        norm = cfg.model.backbone.get(key) or {}
+        if norm.get('type') == 'PRepBN':
+            backbone[key] = dict(step=2 * iters)
+    model = dict(backbone=backbone)
+    n = len(classes)
+    if task == 'seg':
+        model.update(decode_head=dict(num_classes=n), auxiliary_head=dict(num_classes=n))
+    elif 'roi_head' in cfg.model:
+        model['roi_head'] = dict(bbox_head=dict(num_classes=n), mask_head=dict(num_classes=n))
+    else:
+        model['bbox_head'] = dict(num_classes=n)
+    data = dict(dataset=dict(metainfo=dict(classes=classes)))
+    lines = [f'_base_ = {osp.join(REPO, config)!r}',
+             f'model = {model!r}',
+             f'train_dataloader = {data!r}',
+             f'val_dataloader = {data!r}',
+             'test_dataloader = val_dataloader',
+             f"train_cfg = dict(_delete_=True, type='IterBasedTrainLoop', max_iters={iters}, "
+             f'val_interval={iters})',
+             "param_scheduler = [dict(type='ConstantLR', factor=1.0, by_epoch=False)]",
+             "default_hooks = dict(logger=dict(type='LoggerHook', interval=1), checkpoint=dict("
+             f"type='CheckpointHook', by_epoch=False, interval={iters}, save_best=None))",
+             "log_processor = dict(by_epoch=False)"]
+    os.makedirs(out_dir, exist_ok=True)
+    path = osp.join(out_dir, osp.splitext(osp.basename(config))[0] + '_synthetic.py')
+    with open(path, 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+    return path
+
+
+def training_figures(work_dir: str) -> dict:
+    """s/iter (median of the logged iterations after the first two), peak memory (GiB, as
+    mmengine logs it on a GPU), the last losses and the fusion check of a run's work dir."""
+    out = {}
+    runs = sorted(glob.glob(osp.join(work_dir, '*', 'vis_data', 'scalars.json')))
+    if runs:
+        with open(runs[-1]) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        train = [r for r in records if 'loss' in r]
+        times = sorted(r['time'] for r in train[2:] if 'time' in r)
+        memory = [r['memory'] for r in train if 'memory' in r]
+        out.update(iterations=len(train),
+                   s_per_iter=times[len(times) // 2] if times else None,
+                   peak_memory_gib=max(memory) / 1024 if memory else None,
+                   last_loss=train[-1]['loss'] if train else None)
+    latency = osp.join(work_dir, 'latency.json')
+    if osp.exists(latency):
+        with open(latency) as f:
+            lat = json.load(f)
+        out.update(fusion_difference=lat.get('max_relative_difference'),
+                   fusion_check=(lat.get('fusion_check') or {}).get('result'),
+                   evaluated=lat.get('timed'))
+    return out
+
+
+def train_real_configs(args, py) -> list:
+    """Step 3: every config of :data:`REAL_CONFIGS` trained and validated; one row each."""
+    rows = []
+    for family, (control, methods) in REAL_CONFIGS.items():
+        for config in [control] + methods:
+            name = osp.splitext(osp.basename(config))[0]
+            work = osp.join(args.out, 'real', name)
+            path = synthetic_config(config, args.real_iters, work)
+            cmd = [py, 'tools/train.py', path, '--amp', '--work-dir', work]
+            code, seconds = run(cmd, osp.join(args.out, f'real_{name}.log'), args.step_timeout)
+            rows.append(dict(family=family, config=name, control=config == control,
+                             exit_code=code, seconds=seconds, **training_figures(work)))
+    return rows
+
+
+def print_real_table(rows):
+    controls = {r['family']: r for r in rows if r['control']}
+
+    def num(v, fmt):
+        return '-' if v is None else format(v, fmt)
+    print(f"{'config':36s} {'exit':>5s} {'s/iter':>7s} {'x ctrl':>7s} {'peak GiB':>9s} "
+          f"{'fusion diff':>12s}  evaluated")
+    for r in rows:
+        ctrl = controls.get(r['family'], {}).get('s_per_iter')
+        ratio = r['s_per_iter'] / ctrl if ctrl and r.get('s_per_iter') else None
+        print(f"{r['config']:36s} {str(r['exit_code']):>5s} {num(r.get('s_per_iter'), '.3f'):>7s} "
+              f"{num(ratio, '.2f'):>7s} {num(r.get('peak_memory_gib'), '.2f'):>9s} "
+              f"{num(r.get('fusion_difference'), '.2e'):>12s}  {r.get('evaluated') or '-'}")
 
 
 def time_config(args, config, py):
@@ -225,6 +346,14 @@ def main(argv=None):
         if code:
             raise SystemExit('error: tools/make_demo_data.py failed (see above)')
         report['train'] = train_demo(args, n_gpus, py)
+    if args.real_iters:
+        print(f'== the real configs, {args.real_iters} iterations each with --amp, validated')
+        if args.skip_train:  # the demo step makes the synthetic sets otherwise
+            run([py, 'tools/make_demo_data.py'], osp.join(args.out, 'make_demo_data.log'))
+        else:
+            run([py, 'tools/make_demo_data.py', '--kind', 'ade'],
+                osp.join(args.out, 'make_demo_data_ade.log'))
+        report['real_configs'] = train_real_configs(args, py)
     print('== latency at ' + args.shape)
     report['timings'] = [time_config(args, c, py) for c in args.configs]
     report['table'] = [row for t in report['timings'] for row in speed_rows(t)]
@@ -233,6 +362,8 @@ def main(argv=None):
         failed.insert(0, 'tests/test_cuda.py')
     if not args.skip_train and report['train']['exit_code']:
         failed.insert(0, 'training')
+    failed += [r['config'] for r in report.get('real_configs', []) if r['exit_code'] or
+               r.get('fusion_check') != 'passed']
     report['failed'] = failed
     with open(osp.join(args.out, 'gpu_check.json'), 'w') as f:
         json.dump(report, f, indent=2, default=str)
@@ -247,6 +378,8 @@ def main(argv=None):
               f"bbox mAP {t.get('bbox_mAP')}, segm mAP {t.get('segm_mAP')}, "
               f"{t['seconds']:.0f} s; fused model through ReparamEvalHook: "
               f"{(lat.get('fused') or {}).get('median_ms', float('nan')):.1f} ms/img median")
+    if report.get('real_configs'):
+        print_real_table(report['real_configs'])
     print_table(report['table'], machine_line(machine))
     print(f"wrote {osp.join(args.out, 'gpu_check.json')}")
     if failed:

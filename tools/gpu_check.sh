@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The GPU acceptance check: the first thing to run on a machine with NVIDIA GPUs.
 #
-#   bash tools/gpu_check.sh [--iters 200] [--repeat 20] [--out work_dirs/gpu_check]
+#   bash tools/gpu_check.sh [--iters 200] [--real-iters 10] [--repeat 20]
+#       [--out work_dirs/gpu_check]
 #
 # Installs with mmcv's CUDA ops (tools/install_deps.sh; MMSLAB_PYTHON=... uses an existing
 # environment and its torch), checks mmcv's CUDA ops against their CPU results, trains the
 # demo SLAB-Swin-T Mask R-CNN with AMP on CUDA (2 processes when 2+ GPUs), evaluates the fused
-# model through ReparamEvalHook, and times fused / unfused / mmdet's Swin-T / mmslab's
-# LayerNorm control at 800x1333 in fp32 and fp16. Prints one table; writes gpu_check.json.
+# model through ReparamEvalHook, trains the real 1x / 160k configs (Mask R-CNN, RetinaNet,
+# UperNet) a few iterations each with --amp at their own input size and validates them, and
+# times fused / unfused / mmdet's Swin-T / mmslab's LayerNorm control at 800x1333 in fp32 and
+# fp16. Prints one table; writes gpu_check.json.
 # Refuses on a machine without a GPU.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -129,7 +129,8 @@ def timing_method(device: DeviceLike) -> str:
 
 def measure_interleaved(fns: Dict[Hashable, Callable[[], object]], repeat: int, warmup: int,
                         progress: Optional[Callable[[], None]] = None,
-                        device: DeviceLike = None, burst: int = 1) -> Dict[Hashable, List[float]]:
+                        device: DeviceLike = None, burst: int = 1,
+                        grad: bool = False) -> Dict[Hashable, List[float]]:
     """Run each callable ``warmup`` times, then ``repeat`` rounds in rotating order.
 
     Interleaving spreads the machine's noise (other processes, frequency changes, GPU clocks)
@@ -140,12 +141,14 @@ def measure_interleaved(fns: Dict[Hashable, Callable[[], object]], repeat: int, 
     timed one. With 1, every timed call follows the other variants' calls (caches, and the
     runtimes' thread pools, left by another model); with more, it is the steady state of a
     model that serves a stream of inputs, still interleaved round by round.
+
+    ``grad``: run with autograd enabled (training steps); otherwise under ``inference_mode``.
     """
     if burst < 1:
         raise ValueError(f'burst={burst}: must be >= 1 (1: no untimed calls before each)')
     names = list(fns)
     times = {n: [] for n in names}
-    with torch.inference_mode():
+    with torch.enable_grad() if grad else torch.inference_mode():
         for _ in range(warmup):
             for n in names:
                 fns[n]()
