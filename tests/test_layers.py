@@ -114,15 +114,93 @@ def test_prepbn_forward_mixes_ln_and_repbn():
 
 
 def test_prepbn_skips_layernorm_when_schedule_finished():
+    """Mid-decay both branches compute (the LayerNorm's parameters get gradients); once the
+    decay has finished the LayerNorm is not computed (a single process: no gradient)."""
     norm = PRepBN(4, step=10)
-    calls = []
-    norm.norm1.register_forward_hook(lambda *a: calls.append(1))
-    norm.set_iter(3)
-    norm(torch.randn(2, 3, 4))
-    assert len(calls) == 1
-    norm.set_iter(10)
-    norm(torch.randn(2, 3, 4))
-    assert len(calls) == 1
+    for it, ln_computed in ((3, True), (10, False)):
+        norm.zero_grad(set_to_none=True)
+        norm.set_iter(it)
+        norm(torch.randn(2, 3, 4)).square().sum().backward()
+        assert (norm.norm1.weight.grad is not None) == ln_computed, it
+        assert norm.norm2.bn.weight.grad is not None
+
+
+def _bn_reference(norm_bn: nn.BatchNorm1d, x: torch.Tensor, channel_dim: int) -> torch.Tensor:
+    """``nn.BatchNorm1d`` itself on ``x`` (its own running statistics are updated)."""
+    c = x.shape[channel_dim]
+    if channel_dim == -1:
+        return norm_bn(x.reshape(-1, c)).view_as(x)
+    return norm_bn(x.flatten(2)).view_as(x)
+
+
+@pytest.mark.parametrize('data_format', ['channels_last', 'channels_first'])
+@pytest.mark.parametrize('momentum', [0.1, None])
+def test_repbn_and_prepbn_one_pass_equal_their_formulas(data_format, momentum):
+    """RepBN ``BN(x) + alpha x`` and PRepBN ``g LN(x) + (1 - g) RepBN(x)`` (SLAB eq. 4-5)
+    computed in one pass over the tokens equal the formulas written with ``nn.LayerNorm``
+    and ``nn.BatchNorm1d``: outputs, every gradient, the running statistics after three
+    training steps (momentum or cumulative), and eval mode; also with a frozen BatchNorm
+    (``bn_stats='frozen'``: eval-mode BN inside a training model)."""
+    torch.manual_seed(0)
+    c = 6
+    channel_dim = -1 if data_format == 'channels_last' else 1
+    for frozen in (False, True):
+        rep = RepBN(c, momentum=0.1, data_format=data_format)
+        prep = PRepBN(c, step=10, bn_momentum=0.1, data_format=data_format)
+        for m in (rep.bn, prep.norm2.bn):
+            m.momentum = momentum
+            with torch.no_grad():
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_()
+                m.running_mean.normal_()
+                m.running_var.uniform_(0.5, 2)
+        with torch.no_grad():
+            prep.norm1.weight.uniform_(0.5, 1.5)
+            prep.norm1.bias.normal_()
+            rep.alpha.fill_(0.7)
+        ref_bn, ref_pbn = copy.deepcopy(rep.bn), copy.deepcopy(prep.norm2.bn)
+        ref_ln, ref_alpha = copy.deepcopy(prep.norm1), prep.norm2.alpha.detach().clone()
+        ref_alpha.requires_grad_(True)
+        rep_alpha = rep.alpha.detach().clone().requires_grad_(True)
+        if frozen:
+            for m in (rep.bn, prep.norm2.bn, ref_bn, ref_pbn):
+                m.eval()
+        prep.set_iter(4)  # g = 0.6
+        g = prep.ratio
+        for step in range(3):
+            shape = (2, 7, 5, c) if channel_dim == -1 else (2, c, 7, 5)
+            x = (torch.randn(*shape) * 3 + 1).requires_grad_(True)
+            x_ref = x.detach().clone().requires_grad_(True)
+            grad = torch.randn(*shape)
+            y_rep = rep(x)
+            ref_rep = _bn_reference(ref_bn, x_ref, channel_dim) + rep_alpha * x_ref
+            y_prep = prep(x)
+            x_last = x_ref if channel_dim == -1 else x_ref.movedim(1, -1)
+            ref_prep = g * ref_ln(x_last) + (1 - g) * (
+                _bn_reference(ref_pbn, x_last, -1) + ref_alpha * x_last)
+            if channel_dim == 1:
+                ref_prep = ref_prep.movedim(-1, 1)
+            assert rel_err(y_rep, ref_rep) < 1e-5 and rel_err(y_prep, ref_prep) < 1e-5
+            (y_rep * grad).sum().backward()
+            (y_prep * grad).sum().backward()
+            (ref_rep * grad).sum().backward()
+            (ref_prep * grad).sum().backward()
+            assert rel_err(x.grad, x_ref.grad) < 1e-4  # (both norms summed, both sides)
+            for ours, theirs in ((rep.bn, ref_bn), (prep.norm2.bn, ref_pbn)):
+                assert rel_err(ours.weight.grad, theirs.weight.grad) < 1e-4
+                assert rel_err(ours.bias.grad, theirs.bias.grad) < 1e-4
+                assert torch.allclose(ours.running_mean, theirs.running_mean, atol=1e-6)
+                assert torch.allclose(ours.running_var, theirs.running_var, atol=1e-5)
+                assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked)
+            assert rel_err(rep.alpha.grad, rep_alpha.grad) < 1e-4
+            assert rel_err(prep.norm2.alpha.grad, ref_alpha.grad) < 1e-4
+            assert rel_err(prep.norm1.weight.grad, ref_ln.weight.grad) < 1e-4
+            assert rel_err(prep.norm1.bias.grad, ref_ln.bias.grad) < 1e-4
+        rep.eval()
+        ref_bn.eval()
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            assert rel_err(rep(x), _bn_reference(ref_bn, x, channel_dim) + rep_alpha * x) < 1e-5
 
 
 def test_prepbn_without_schedule_driver_fails_loudly():
