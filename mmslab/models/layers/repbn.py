@@ -54,8 +54,9 @@ class RepBN(FoldableNorm):
             raise ValueError(f'RepBN({self.num_features}, {self.data_format}) got input of shape '
                              f'{tuple(x.shape)}')
         scale, shift = self.batch_affine(x, alpha_offset)
+        # (float32 arithmetic; a lower-precision input gets its dtype back, as from the BN)
         return torch.addcmul(_broadcast(shift, x, self.data_format), x,
-                             _broadcast(scale, x, self.data_format))
+                             _broadcast(scale, x, self.data_format)).to(x.dtype)
 
     def batch_affine(self, x: Tensor, alpha_offset: Optional[Tensor] = None):
         """``(scale, shift)`` with ``self(x) == x * scale + shift`` per channel: the
@@ -227,7 +228,7 @@ class PRepBN(FoldableNorm):
                 ln = self.norm1  # (always with its affine: made in __init__)
                 y = F.layer_norm(x, ln.normalized_shape, ln.weight * g,
                                  torch.lerp(shift, ln.bias, g), ln.eps)
-                y = torch.addcmul(y, x, scale * (1.0 - g))
+                y = torch.addcmul(y, x, scale * (1.0 - g)).to(x.dtype)
         return y.movedim(-1, 1) if channels_first else y
 
     def _fused_affine(self) -> Tuple[Tensor, Tensor]:
