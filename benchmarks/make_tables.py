@@ -440,8 +440,9 @@ def train_tables(run: dict) -> str:
     shape = 'x'.join(map(str, run['shape']))
     caption = (f"{run['part']} training step (forward, loss, backward), batch {run['batch']} at "
                f"{shape}, {run['precision']}, {run['device']}, progressive norms at "
-               f"{run.get('prepbn_progress', '?')} of their decay; ratios: the reference's or "
-               "mmdet's step time over the model's, median [min-max] of the rounds.")
+               f"{run.get('prepbn_progress', '?')} of their decay; ratios: the model's step time "
+               "over the reference's or mmdet Swin-T's in the same round (> 1: slower), median "
+               "[min-max] of the rounds.")
     return '\n\n'.join([caption, markdown_table(header, rows), provenance(run)])
 
 

@@ -10,6 +10,9 @@ and :func:`check_device_arguments`.
 """
 import argparse
 import copy
+import json
+import os
+import os.path as osp
 from typing import Callable, Sequence, Tuple
 
 import torch
@@ -200,6 +203,18 @@ def trained_like_parameters(model: nn.Module, seed: int = 0, std: float = 0.02) 
                 continue
             p.add_(torch.randn(p.shape, generator=g).to(p) * std)
     return model
+
+
+def save_report(report: dict, out_dir: str, stem: str,
+                plot: Callable[[dict, str], None]) -> None:
+    """Write ``out_dir/<stem>.json`` and the picture ``plot(report, out_dir/<stem>.png)``
+    draws, and say so."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = osp.join(out_dir, stem)
+    with open(path + '.json', 'w') as f:
+        json.dump(report, f, indent=2)
+    plot(report, path + '.png')
+    print(f'wrote {path}.json and {stem}.png')
 
 
 def fused_copy(model: nn.Module) -> nn.Module:

@@ -138,3 +138,14 @@ def make_photo_coco(root: str, classes) -> str:
     with open(osp.join(root, 'annotations', 'instances_val2017.json'), 'w') as f:
         json.dump(coco, f)
     return root
+
+
+def wrong_fold(fold, stage: int, factor: float):
+    """``fold`` (a ``reparameterize``) followed by a wrong weight: the fused ``proj`` of the
+    first block of ``stage`` scaled by ``factor``, the fault the fusion checks must name."""
+    def folded_wrong(model):
+        model = fold(model)
+        with torch.no_grad():
+            model.backbone.stages[stage].blocks[0].attn.w_msa.proj.weight.mul_(factor)
+        return model
+    return folded_wrong

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mmslab  # noqa: F401  (registers the components the configs name)
-from conftest import load_tool
+from conftest import load_tool, wrong_fold
 from mmslab.datasets.demo_data import make_ade_demo
 
 
@@ -44,8 +44,9 @@ log_level = 'WARNING'
 '''
 
 
-def test_export_round_trip_gives_same_outputs_and_metrics(tmp_path):
-    make_ade_demo(str(tmp_path / 'ade'), num_train=1, num_val=3, img_size=64, seed=3,
+def tiny_upernet(tmp_path, num_val: int):
+    """``(config path, model)``: a tiny SLAB-Swin UperNet on a synthetic ADE20K set."""
+    make_ade_demo(str(tmp_path / 'ade'), num_train=1, num_val=num_val, img_size=64, seed=3,
                   progress=False)
     cfg_path = tmp_path / 'tiny_upernet.py'
     cfg_path.write_text(CONFIG.format(
@@ -54,10 +55,16 @@ def test_export_round_trip_gives_same_outputs_and_metrics(tmp_path):
     from mmengine.registry import init_default_scope
     from mmseg.registry import MODELS
     init_default_scope('mmseg')
-    cfg = Config.fromfile(str(cfg_path))
     torch.manual_seed(0)
-    model = MODELS.build(cfg.model)
+    model = MODELS.build(Config.fromfile(str(cfg_path)).model)
     model.init_weights()
+    return cfg_path, model
+
+
+def test_export_round_trip_gives_same_outputs_and_metrics(tmp_path):
+    from mmengine.config import Config
+    from mmseg.registry import MODELS
+    cfg_path, model = tiny_upernet(tmp_path, num_val=3)
     with torch.no_grad():  # non-trivial statistics and a head that predicts several classes
         for m in model.modules():
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
@@ -96,32 +103,13 @@ def test_reparameterize_tool_refuses_a_wrong_fold(tmp_path, monkeypatch, capsys)
     """tools/reparameterize.py compares the fused model with the unfused one (float32, a
     test-set image) before writing anything: a correct fold passes and is reported, a wrong
     one exits with the module it diverged at and no file written."""
-    make_ade_demo(str(tmp_path / 'ade'), num_train=1, num_val=1, img_size=64, seed=3,
-                  progress=False)
-    cfg_path = tmp_path / 'tiny_upernet.py'
-    cfg_path.write_text(CONFIG.format(
-        data_root=str(tmp_path / 'ade' / 'ADEChallengeData2016')))
-    from mmengine.config import Config
-    from mmengine.registry import init_default_scope
-    from mmseg.registry import MODELS
-    init_default_scope('mmseg')
-    torch.manual_seed(0)
-    model = MODELS.build(Config.fromfile(str(cfg_path)).model)
-    model.init_weights()
+    cfg_path, model = tiny_upernet(tmp_path, num_val=1)
     ckpt = tmp_path / 'model.pth'
     torch.save(dict(state_dict=model.state_dict(), meta=dict()), ckpt)
     tool = load_tool('reparameterize')
     tool.main([str(cfg_path), str(ckpt), str(tmp_path / 'good')])
     assert 'fusion check: fused vs unfused' in capsys.readouterr().out
-    fold = mmslab.reparameterize
-
-    def wrong_fold(m):
-        m = fold(m)
-        with torch.no_grad():
-            m.backbone.stages[2].blocks[0].attn.w_msa.proj.weight.mul_(1.2)
-        return m
-
-    monkeypatch.setattr(mmslab, 'reparameterize', wrong_fold)
+    monkeypatch.setattr(mmslab, 'reparameterize', wrong_fold(mmslab.reparameterize, 2, 1.2))
     with pytest.raises(SystemExit, match='differs.*stages.2.blocks.0.attn.w_msa.proj'):
         tool.main([str(cfg_path), str(ckpt), str(tmp_path / 'bad')])
     assert not (tmp_path / 'bad').exists()

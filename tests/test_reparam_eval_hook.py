@@ -11,6 +11,7 @@ from mmengine.config import Config
 from mmengine.hooks import Hook
 
 import mmslab  # noqa: F401 (registers the models)
+from conftest import wrong_fold
 from mmslab.datasets.demo_data import make_ade_demo, make_coco_demo
 from mmslab.engine.hooks import ReparamEvalHook
 from mmslab.models import statistic_modules
@@ -149,18 +150,15 @@ def test_fused_and_unfused_metrics_are_equal(data_dir, tmp_path):
     assert any(isinstance(m, PRepBN) and not m.deploy for m in plain_runs[0].modules())
 
 
+def break_a_fused_linear(monkeypatch):
+    import mmslab.engine.hooks.reparam_eval_hook as hook_mod
+    # (the name the hook calls)
+    monkeypatch.setattr(hook_mod, 'reparameterize', wrong_fold(hook_mod.reparameterize, 1, 1.5))
+
+
 def test_equivalence_check_names_the_divergent_module(data_dir, tmp_path, monkeypatch):
     from mmengine.runner import Runner
-    import mmslab.engine.hooks.reparam_eval_hook as hook_mod
-    original = hook_mod.reparameterize
-
-    def broken(model):
-        model = original(model)
-        with torch.no_grad():  # corrupt one fused linear
-            model.backbone.stages[1].blocks[0].attn.w_msa.proj.weight.mul_(1.5)
-        return model
-
-    monkeypatch.setattr(hook_mod, 'reparameterize', broken)  # the name the hook calls
+    break_a_fused_linear(monkeypatch)
     cfg = seg_cfg(data_dir, tmp_path / 'bad', dict(type='ReparamEvalHook', on_mismatch='raise'))
     cfg.update(train_cfg=None, optim_wrapper=None, train_dataloader=None,
                default_hooks=dict(logger=dict(type='LoggerHook', interval=1)))
@@ -168,19 +166,6 @@ def test_equivalence_check_names_the_divergent_module(data_dir, tmp_path, monkey
     with pytest.raises(RuntimeError, match='differs') as err:
         runner.val()
     assert 'Linear' in str(err.value) and 'stages.1.blocks.0.attn' in str(err.value)
-
-
-def break_a_fused_linear(monkeypatch):
-    import mmslab.engine.hooks.reparam_eval_hook as hook_mod
-    original = hook_mod.reparameterize
-
-    def broken(model):
-        model = original(model)
-        with torch.no_grad():
-            model.backbone.stages[1].blocks[0].attn.w_msa.proj.weight.mul_(1.5)
-        return model
-
-    monkeypatch.setattr(hook_mod, 'reparameterize', broken)
 
 
 def test_a_failed_fusion_check_does_not_stop_training(data_dir, tmp_path, monkeypatch):

@@ -44,7 +44,6 @@ these ratios are what the models' arithmetic buys.
 """
 import argparse
 import copy
-import json
 import os
 import os.path as osp
 
@@ -64,8 +63,8 @@ from mmslab.utils.plotting import saved_figure
 from mmslab.utils.timing import timing_method
 from mmslab.benchmark import (add_device_arguments, autocast_call, check_device_arguments,
                               fake_batch, first_call_timed, fused_copy, make_runners,
-                              measure_interleaved, move_to, parse_shape, summarize,
-                              trained_like_parameters)
+                              measure_interleaved, move_to, parse_shape, save_report,
+                              summarize, trained_like_parameters)
 
 
 def parse_args(argv=None):
@@ -258,10 +257,7 @@ def main(argv=None):
             print(f'  masked windows of {sig}: ' + ', '.join(
                 f'{k[:-3]} {v:.2f} ms' for k, v in rec.items() if k.endswith('_ms')) +
                 f" -> {rec['impl']} (eager chose {'/'.join(rec['eager'])})")
-    with open(osp.join(args.out, 'benchmark.json'), 'w') as f:
-        json.dump(report, f, indent=2)
-    plot(report, osp.join(args.out, 'benchmark.png'))
-    print(f'wrote {osp.join(args.out, "benchmark.json")} and benchmark.png')
+    save_report(report, args.out, 'benchmark', plot)
     return report
 
 

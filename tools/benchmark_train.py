@@ -23,16 +23,16 @@ reference and against mmdet's Swin-T (per-round ratios: median [min-max]), peak 
 GPU; writes ``benchmark_train.json`` (with the machine) and ``benchmark_train.png``.
 """
 import argparse
-import json
-import os
+import datetime
 import os.path as osp
 import statistics
+import sys
 
 import torch
 from mmengine.config import Config
 
 import mmslab  # noqa: F401 (registers the models)
-from mmslab.benchmark import parse_shape
+from mmslab.benchmark import parse_shape, save_report
 from mmslab.utils.launch import load_config, model_registry
 from mmslab.utils.machine import machine_info, machine_line
 from mmslab.utils.plotting import saved_figure
@@ -228,18 +228,16 @@ def main(argv=None):
         rows[name]['progressive_norms'] = schedules[name]
         if name in peak:
             rows[name]['peak_memory_gib'] = peak[name]
-    report = dict(part=args.part, shape=list(args.shape), batch=args.batch,
+    command = ['python tools/benchmark_train.py'] + list(sys.argv[1:] if argv is None else argv)
+    report = dict(command=' '.join(command), date=datetime.date.today().isoformat(),
+                  part=args.part, shape=list(args.shape), batch=args.batch,
                   precision=args.precision, device=str(args.device),
                   timing=timing_method(args.device), repeat=args.repeat, warmup=args.warmup,
                   threads=torch.get_num_threads(), prepbn_progress=args.prepbn_progress,
                   configs=args.configs, reference=reference, mmdet_swin=mmdet_name,
                   machine=machine_info(args.device), torch=torch.__version__, models=rows)
     print_table(report)
-    os.makedirs(args.out, exist_ok=True)
-    with open(osp.join(args.out, 'benchmark_train.json'), 'w') as f:
-        json.dump(report, f, indent=2)
-    plot(report, osp.join(args.out, 'benchmark_train.png'))
-    print(f'wrote {osp.join(args.out, "benchmark_train.json")} and benchmark_train.png')
+    save_report(report, args.out, 'benchmark_train', plot)
     return report
 
 
