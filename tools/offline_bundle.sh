@@ -97,9 +97,11 @@ fi
 # what the target's Python may lack (torch, numpy, OpenCV, timm, onnx and onnxruntime are
 # taken from the environment as they are; install_deps.sh reports any still missing)
 log "downloading wheels for Python $PY_VERSION"
+# (ruff: the linter tools/install_deps.sh installs, at its pinned version)
+RUFF_VERSION="$(sed -n 's/^RUFF_VERSION=//p' "$REPO/tools/install_deps.sh")"
 PACKAGES=(mmengine==0.10.7 mmdet==3.3.0 mmsegmentation==1.2.2 pycocotools ftfy wcwidth regex
           addict yapf platformdirs termcolor terminaltables shapely prettytable rich
-          markdown-it-py mdurl pygments)
+          markdown-it-py mdurl pygments "ruff==$RUFF_VERSION")
 download() {
     "$BPY" -m pip download -q --disable-pip-version-check --only-binary=:all: \
         --python-version "$PY_VERSION" --implementation cp \
