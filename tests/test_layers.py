@@ -309,6 +309,39 @@ def test_channel_idle_ffn_fold_is_exact(dtype, tol, idle_ratio):
     assert rel_err(fresh(x), ref) <= tol
 
 
+@pytest.mark.parametrize('frozen', [False, True])
+def test_channel_idle_ffn_training_equals_its_modules(frozen):
+    """The training form, with each BatchNorm's batch affine folded into the next linear,
+    equals ``x + fc2(BN2(act(fc1(BN1(x)))))`` run through the modules themselves: outputs,
+    every gradient and both BatchNorms' running statistics over three steps (frozen: BNs in
+    eval mode inside a training model)."""
+    torch.manual_seed(3)
+    ffn = ChannelIdleFFN(8, 32, idle_ratio=0.75).train()
+    randomize_bn(ffn.norm1)
+    randomize_bn(ffn.norm2)
+    ref = copy.deepcopy(ffn)
+    if frozen:
+        for m in (ffn.norm1, ffn.norm2, ref.norm1, ref.norm2):
+            m.eval()
+    k = ffn.active
+    for _ in range(3):
+        x = (torch.randn(2, 11, 8) * 2 + 0.5).requires_grad_(True)
+        x_ref = x.detach().clone().requires_grad_(True)
+        grad = torch.randn(2, 11, 8)
+        out = ffn(x)
+        h = ref.fc1(ref.norm1(x_ref.reshape(-1, 8)))
+        h = torch.cat([F.gelu(h[:, :k]), h[:, k:]], 1)
+        expected = x_ref + ref.fc2(ref.norm2(h)).view_as(x_ref)
+        assert rel_err(out, expected) < 1e-5
+        (out * grad).sum().backward()
+        (expected * grad).sum().backward()
+        assert rel_err(x.grad, x_ref.grad) < 1e-4
+        for (name, p), p_ref in zip(ffn.named_parameters(), ref.parameters()):
+            assert rel_err(p.grad, p_ref.grad) < 1e-4, name
+        for (name, b), b_ref in zip(ffn.named_buffers(), ref.buffers()):
+            assert torch.allclose(b.float(), b_ref.float(), atol=1e-5), name
+
+
 def test_channel_idle_ffn_validates_and_refuses_train_mode():
     with pytest.raises(ValueError, match='idle_ratio'):
         ChannelIdleFFN(8, 32, idle_ratio=1.2)
