@@ -135,9 +135,9 @@ def _bn_reference(norm_bn: nn.BatchNorm1d, x: torch.Tensor, channel_dim: int) ->
 
 @pytest.mark.parametrize('data_format', ['channels_last', 'channels_first'])
 @pytest.mark.parametrize('momentum', [0.1, None])
-def test_repbn_and_prepbn_one_pass_equal_their_formulas(data_format, momentum):
+def test_repbn_and_prepbn_equal_their_formulas(data_format, momentum):
     """RepBN ``BN(x) + alpha x`` and PRepBN ``g LN(x) + (1 - g) RepBN(x)`` (SLAB eq. 4-5)
-    computed in one pass over the tokens equal the formulas written with ``nn.LayerNorm``
+    equal the formulas written with ``nn.LayerNorm``
     and ``nn.BatchNorm1d``: outputs, every gradient, the running statistics after three
     training steps (momentum or cumulative), and eval mode; also with a frozen BatchNorm
     (``bn_stats='frozen'``: eval-mode BN inside a training model)."""

@@ -35,10 +35,10 @@ AUTO_REPEAT = 3
 # IEEE float32
 # ----------------------------------------------------------------------------------------------
 
+#: ``torch.backends`` objects with an ``fp32_precision``, parents before children; the
+#: dotted ones are the operators' own settings
 _FP32_PRECISION_NODES = ('', 'cuda.matmul', 'cudnn', 'cudnn.conv', 'cudnn.rnn', 'mkldnn',
                          'mkldnn.matmul', 'mkldnn.conv', 'mkldnn.rnn')
-_FP32_PRECISION_LEAVES = ('cuda.matmul', 'cudnn.conv', 'cudnn.rnn', 'mkldnn.matmul',
-                          'mkldnn.conv', 'mkldnn.rnn')
 
 
 def _float32_precision_settings():
@@ -54,7 +54,7 @@ def _float32_precision_settings():
             for part in filter(None, name.split('.')):
                 obj = getattr(obj, part, None)
             if obj is not None and hasattr(obj, 'fp32_precision'):
-                settings.append((obj, 'fp32_precision', name in _FP32_PRECISION_LEAVES))
+                settings.append((obj, 'fp32_precision', '.' in name))
         return settings
     return [(backends.cuda.matmul, 'allow_tf32', True), (backends.cudnn, 'allow_tf32', True)]
 

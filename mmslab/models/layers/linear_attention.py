@@ -202,9 +202,7 @@ class SLA(Reparameterizable, WindowKernelBase):
             dwc = self._tiled_dwc(v.reshape(bw, wh, ww, c).permute(0, 3, 1, 2))
             dwc = dwc.permute(0, 2, 3, 1).reshape(bw, n, h, d)
             z = _key_sum(k, valid)  # [B', 1, C]; padded slots add nothing to K^T V (v = 0)
-            # training: per-head products, a third (3 heads) or a sixth (6 heads) of the
-            # block-diagonal form's multiply-adds, forward and backward
-            if not self.training and linear_attention_form(self) == 'blockdiag':
+            if linear_attention_form(self) == 'blockdiag':
                 num, den = self._heads_blockdiag(q, k, v, z)
             else:
                 num, den = self._heads_split(q, k, v, z)

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mmslab.registry import register_model
-from .affine import FoldableNorm, _broadcast
+from .affine import FoldableNorm
 from .symbolic import compiling
-from .token_bn import bn_affine, bn_scale_shift
+from .token_bn import bn_affine
 
 #: PRepBN decay length (iterations) of the SLAB authors' ImageNet training, the ``step`` of
 #: mmslab's SLAB presets and of converted checkpoints.
@@ -53,19 +53,12 @@ class RepBN(FoldableNorm):
         if x.shape[-1 if self.data_format == 'channels_last' else 1] != self.num_features:
             raise ValueError(f'RepBN({self.num_features}, {self.data_format}) got input of shape '
                              f'{tuple(x.shape)}')
-        scale, shift = self.batch_affine(x, alpha_offset)
-        # (float32 arithmetic; a lower-precision input gets its dtype back, as from the BN)
-        return torch.addcmul(_broadcast(shift, x, self.data_format), x,
-                             _broadcast(scale, x, self.data_format)).to(x.dtype)
-
-    def batch_affine(self, x: Tensor, alpha_offset: Optional[Tensor] = None):
-        """``(scale, shift)`` with ``self(x) == x * scale + shift`` per channel: the
-        BatchNorm's in its current mode (:func:`bn_scale_shift`, which updates the running
-        statistics in training mode) plus ``alpha``."""
-        scale, shift = bn_scale_shift(
-            self.bn, x, -1 if self.data_format == 'channels_last' else 1)
+        if self.data_format == 'channels_last':
+            y = self.bn(x.reshape(-1, self.num_features)).view_as(x)
+        else:
+            y = self.bn(x.flatten(2)).view_as(x)
         alpha = self.alpha if alpha_offset is None else self.alpha + alpha_offset
-        return scale + alpha, shift
+        return y + alpha * x
 
     def _fused_affine(self) -> Tuple[Tensor, Tensor]:
         scale, shift = bn_affine(self.bn)
@@ -221,14 +214,7 @@ class PRepBN(FoldableNorm):
                 y = self.norm2.forward_train(
                     x, alpha_offset=_zero_anchor(self.norm1) if keep else None)
             else:
-                # g LN(x) + (1 - g) RepBN(x) in one pass over the tokens after the two
-                # statistics: LN with its affine scaled by g, RepBN's per-channel affine
-                # scaled by 1 - g and added by the same kernel
-                scale, shift = self.norm2.batch_affine(x)
-                ln = self.norm1  # (always with its affine: made in __init__)
-                y = F.layer_norm(x, ln.normalized_shape, ln.weight * g,
-                                 torch.lerp(shift, ln.bias, g), ln.eps)
-                y = torch.addcmul(y, x, scale * (1.0 - g)).to(x.dtype)
+                y = g * self.norm1(x) + (1.0 - g) * self.norm2(x)
         return y.movedim(-1, 1) if channels_first else y
 
     def _fused_affine(self) -> Tuple[Tensor, Tensor]:

@@ -42,15 +42,14 @@ class TokenBN(FoldableNorm):
         return bn_affine(self.bn)
 
 
-def bn_scale_shift(bn: nn.modules.batchnorm._BatchNorm, x: Tensor,
-                   channel_dim: int = -1) -> Tuple[Tensor, Tensor]:
-    """``(scale, shift)`` with ``bn(x) == x * scale + shift`` along ``channel_dim``, as ``bn``
+def bn_scale_shift(bn: nn.modules.batchnorm._BatchNorm, x: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(scale, shift)`` with ``bn(x) == x * scale + shift`` for ``[M, C]`` ``x``, as ``bn``
     computes in its current mode: batch statistics in training mode (then the running
     statistics are updated as ``nn.BatchNorm1d`` updates them), running ones in eval mode.
 
-    For norms that combine a BatchNorm with other per-channel terms (RepBN's ``alpha * x``,
-    PRepBN's LayerNorm branch): they then apply everything in one pass over the tokens
-    instead of one per term, forward and backward. The statistics are float32 (at least)."""
+    For a BatchNorm followed by a linear layer (RePa's channel-idle FFN): the affine folds
+    into the layer's weight and bias, so no pass over the tokens writes the BatchNorm's
+    output, forward or backward. The statistics are float32 (at least)."""
     factor = 0.0 if bn.momentum is None else bn.momentum
     if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
         bn.num_batches_tracked.add_(1)
@@ -58,11 +57,10 @@ def bn_scale_shift(bn: nn.modules.batchnorm._BatchNorm, x: Tensor,
             factor = 1.0 / float(bn.num_batches_tracked)
     batch_stats = bn.training or bn.running_mean is None
     if batch_stats:
-        dims = [d for d in range(x.dim()) if d != channel_dim % x.dim()]
         stats_x = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        var, mean = torch.var_mean(stats_x, dim=dims, correction=0)
+        var, mean = torch.var_mean(stats_x, dim=0, correction=0)
         if bn.training and bn.track_running_stats:
-            count = x.numel() // x.shape[channel_dim]
+            count = x.shape[0]
             with torch.no_grad():
                 bn.running_mean.lerp_(mean.detach().to(bn.running_mean), factor)
                 unbiased = var.detach() * (count / max(count - 1, 1))
