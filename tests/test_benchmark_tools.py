@@ -518,9 +518,17 @@ def test_training_benchmark_times_steps_interleaved(tmp_path):
     assert saved['models']['tiny_ln']['progressive_norms'] == 0
     assert osp.getsize(tmp_path / 'train' / 'benchmark_train.png') > 1000
     report = tool.main([str(method), '--part', 'model', '--shape', '64x64', '--batch', '2',
-                        '--repeat', '1', '--warmup', '0', '--device', 'cpu',
+                        '--repeat', '1', '--warmup', '0', '--device', 'cpu', '--profile', '2',
                         '--out', str(tmp_path / 'model')])
     assert list(report['models']) == ['tiny_repa_prepbn'] and report['mmdet_swin'] is None
+    # the profile: operators by self time per step, ranked, within the step's total
+    prof = report['models']['tiny_repa_prepbn']['profile']
+    ops = prof['operators']
+    assert prof['steps'] == 2 and prof['time_of'] == 'cpu' and len(ops) > 5
+    assert [o['self_ms'] for o in ops] == sorted((o['self_ms'] for o in ops), reverse=True)
+    assert sum(o['self_ms'] for o in ops) <= prof['total_ms'] * (1 + 1e-6)
+    assert any('addmm' in o['name'] or 'linear' in o['name'] or 'mm' in o['name']
+               for o in ops)
     with pytest.raises(SystemExit):
         tool.parse_args([str(method), '--prepbn-progress', '1.5', '--out', str(tmp_path)])
 

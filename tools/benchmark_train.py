@@ -2,7 +2,8 @@
 
     python tools/benchmark_train.py [CONFIG ...] [--part {backbone,model}] [--shape 800x1216]
         [--batch 2] [--precision {fp32,fp16,bf16}] [--device {cpu,cuda}] [--repeat 10]
-        [--warmup 2] [--threads N] [--prepbn-progress 0.5] [--no-mmdet-swin] --out DIR
+        [--warmup 2] [--threads N] [--prepbn-progress 0.5] [--no-mmdet-swin] [--profile N]
+        --out DIR
 
 One training step is forward, a loss, and backward (no optimizer update: the same for every
 model). ``--part backbone`` (default) takes each config's ``model.backbone``, runs it on a
@@ -21,6 +22,9 @@ statistics computed, as for most of a schedule). ``--precision fp16`` runs autoc
 Prints the median step time, its spread (min-max over rounds), each model against the
 reference and against mmdet's Swin-T (per-round ratios: median [min-max]), peak memory on a
 GPU; writes ``benchmark_train.json`` (with the machine) and ``benchmark_train.png``.
+``--profile N`` then runs N more steps of each model under ``torch.profiler`` and records
+where a step's time goes: its operators by self time on the device (the GPU's kernels, or the
+CPU), with their calls per step, and the kernel launches per step on a GPU.
 """
 import argparse
 import datetime
@@ -63,10 +67,12 @@ def parse_args(argv=None):
                    '(BatchNorm); default 0.5')
     p.add_argument('--no-mmdet-swin', action='store_true',
                    help="with --part backbone: do not add mmdet's Swin-T")
+    p.add_argument('--profile', type=int, default=0, metavar='N',
+                   help='after timing, profile N steps of each model (0: none)')
     p.add_argument('--out', required=True, help='output directory')
     args = p.parse_args(argv)
-    if args.batch < 1 or args.repeat < 1 or args.warmup < 0:
-        p.error('--batch and --repeat must be >= 1, --warmup >= 0')
+    if args.batch < 1 or args.repeat < 1 or args.warmup < 0 or args.profile < 0:
+        p.error('--batch and --repeat must be >= 1, --warmup and --profile >= 0')
     if not 0.0 <= args.prepbn_progress <= 1.0:
         p.error(f'--prepbn-progress {args.prepbn_progress}: must lie in [0, 1]')
     for config in args.configs:
@@ -175,6 +181,44 @@ def training_step(model, part: str, shape, batch: int, precision: str, device):
     return step
 
 
+def profile_step(step, count: int, device, top: int = 15) -> dict:
+    """Where ``count`` training steps spend their time, per step: the ``top`` operators by
+    self time on ``device`` (CUDA kernels on a GPU), the device time in all, and on a GPU the
+    kernel launches."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == 'cuda'
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(count):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    events = prof.key_averages()
+
+    def self_us(e):
+        if not cuda:
+            return e.self_cpu_time_total
+        return getattr(e, 'self_device_time_total', None) or getattr(e, 'self_cuda_time_total', 0)
+    ranked = sorted(events, key=self_us, reverse=True)
+    out = dict(steps=count, time_of='cuda' if cuda else 'cpu',
+               total_ms=sum(self_us(e) for e in events) / 1e3 / count,
+               operators=[dict(name=e.key, calls=e.count / count, self_ms=self_us(e) / 1e3 / count,
+                               cpu_self_ms=e.self_cpu_time_total / 1e3 / count)
+                          for e in ranked[:top] if self_us(e) > 0])
+    if cuda:
+        kernels = [e for e in prof.events() if str(e.device_type).endswith('CUDA')]
+        out['kernels_per_step'] = len(kernels) / count
+    return out
+
+
+def print_profile(name: str, prof: dict):
+    launches = (f", {prof['kernels_per_step']:.0f} kernels" if 'kernels_per_step' in prof
+                else '')
+    print(f"\n{name}: {prof['total_ms']:.1f} ms of {prof['time_of']} time per step{launches}")
+    for op in prof['operators']:
+        print(f"  {op['self_ms']:8.2f} ms {op['calls']:7.1f}x  {op['name'][:90]}")
+
+
 def spread(values):
     return dict(median=statistics.median(values), min=min(values), max=max(values))
 
@@ -228,6 +272,8 @@ def main(argv=None):
         rows[name]['progressive_norms'] = schedules[name]
         if name in peak:
             rows[name]['peak_memory_gib'] = peak[name]
+        if args.profile:
+            rows[name]['profile'] = profile_step(steps[name], args.profile, args.device)
     command = ['python tools/benchmark_train.py'] + list(sys.argv[1:] if argv is None else argv)
     report = dict(command=' '.join(command), date=datetime.date.today().isoformat(),
                   part=args.part, shape=list(args.shape), batch=args.batch,
@@ -237,6 +283,9 @@ def main(argv=None):
                   configs=args.configs, reference=reference, mmdet_swin=mmdet_name,
                   machine=machine_info(args.device), torch=torch.__version__, models=rows)
     print_table(report)
+    for name, row in rows.items():
+        if 'profile' in row:
+            print_profile(name, row['profile'])
     save_report(report, args.out, 'benchmark_train', plot)
     return report
 
