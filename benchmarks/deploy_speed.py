@@ -65,10 +65,7 @@ from mmslab.deploy.onnx_export import (DEFAULT_ATTENTION_LAYOUT as DEFAULT_ATTEN
 from mmslab.deploy.quantize import quantize_onnxruntime, quantize_openvino
 from mmslab.deploy.runtimes import artifact_path, open_model
 from mmslab.models.layers.export_mode import RUNTIME_HEAD_LAYOUTS, current_export_mode
-from mmslab.models.layers.linear_attention import chunk_product_choices
-from mmslab.models.layers.shift_window import masked_windows_choices
-from mmslab.models.layers.window_attention import (ATTENTION_LAYOUTS,
-                                                   window_softmax_choices)
+from mmslab.models.layers.window_attention import ATTENTION_LAYOUTS
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
 from mmslab.utils.machine import machine_info, machine_line
 from mmslab.utils.plotting import grouped_bars, saved_figure
@@ -418,10 +415,7 @@ def measure_all(args, tmp) -> dict:
         for t in targets(res, args.runtimes, kind, shape=shape_text):
             checks.append(dict(kind=kind, shape=shape_text, **t))
         print_table(rows, kind, shape_text, sorted({r for _, r in res}, key=runtime_order))
-        report['window_softmax'] = window_softmax_choices()
-        report['masked_windows'] = masked_windows_choices()  # SLA's eager forms, timed
-        report['chunk_products'] = chunk_product_choices()  # and their chunks' products
-        report['export_mode'] = current_export_mode()  # SLA's form, among others
+        report['export_mode'] = current_export_mode()  # the forms the layers took
         report['runtime_head_layouts'] = dict(RUNTIME_HEAD_LAYOUTS)
         save_report(report, args.out)
     return report

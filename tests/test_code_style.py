@@ -198,3 +198,24 @@ def test_registered_classes_document_their_arguments():
             if p.default is not p.empty and not re.search(r'\bDefaults?\b', text):
                 problems.append(f'{where}: Args entry of {p.name!r} does not give its default')
     assert not problems, '\n'.join(problems)
+
+
+def test_models_neither_time_nor_read_the_environment():
+    """The layers compute the same numbers for the same input in every run: no module of
+    mmslab/models imports a timer or reads an environment variable (a hardware-dependent
+    choice is an explicit setting)."""
+    offenders = []
+    for path in sorted(glob(osp.join(REPO, 'mmslab', 'models', '**', '*.py'), recursive=True)):
+        tree = ast.parse(open(path).read())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ''] + [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.Attribute) and node.attr in ('environ', 'getenv'):
+                names = [node.attr]
+            if any(n in ('environ', 'getenv', 'time', 'perf_counter') or
+                   n.endswith('utils.timing') or n == 'timing' for n in names):
+                offenders.append(f'{osp.relpath(path, REPO)}:{node.lineno}')
+    assert not offenders, offenders

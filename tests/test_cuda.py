@@ -179,7 +179,6 @@ def test_cuda_graph_replay_equals_the_eager_forward(name):
     captured before; returned outputs survive the next replay; an in-place weight update
     (as load_state_dict or an optimizer makes) is seen: the graphs are captured anew."""
     from mmslab.deploy.cuda_graph import CUDAGraphModule
-    from mmslab.models.layers.export_mode import export_mode
     model = _swin(name)
     graphed = CUDAGraphModule(model)
     shapes = [(64, 72), (61, 83), (64, 72)]
@@ -189,9 +188,7 @@ def test_cuda_graph_replay_equals_the_eager_forward(name):
                 x = torch.randn(1, 3, *hw, device=CUDA)
                 with torch.autocast('cuda', dtype=torch.float16, enabled=half):
                     got = graphed(x)
-                    # (eager in the masked-window form the graph's replays were timed to)
-                    with export_mode(masked_windows=graphed.masked_windows_form(x)):
-                        ref = [o.float() for o in model(x)]
+                    ref = [o.float() for o in model(x)]
                     kept = [o.clone() for o in got]
                     graphed(torch.randn_like(x))  # the same graph, other inputs
                 for r, g, k in zip(ref, got, kept):
@@ -214,7 +211,6 @@ def test_cuda_graphs_in_a_detector_predict_as_eager():
     graphs (use_cuda_graphs): the same features and detections as eager, at two sizes."""
     from mmslab.benchmark import fake_batch
     from mmslab.deploy.cuda_graph import graph_captures, release_cuda_graphs, use_cuda_graphs
-    from mmslab.models.layers.export_mode import export_mode
     from mmslab.utils.launch import build_model_from_config
     torch.manual_seed(0)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -231,56 +227,15 @@ def test_cuda_graphs_in_a_detector_predict_as_eager():
             use_cuda_graphs(model)
             feats = model.extract_feat(inputs)
             got = model(inputs, samples, mode='predict')[0].pred_instances
-            # (eager in the masked-window form the graph's replays were timed to)
-            form = model.backbone.masked_windows_form(inputs)
             release_cuda_graphs(model)
-            with export_mode(masked_windows=form):
-                ref_feats = [f.clone() for f in model.extract_feat(inputs)]
-                ref = model(inputs, samples, mode='predict')[0].pred_instances
+            ref_feats = [f.clone() for f in model.extract_feat(inputs)]
+            ref = model(inputs, samples, mode='predict')[0].pred_instances
         for r, f in zip(ref_feats, feats):
             assert rel_err(f, r) <= 1e-6, hw
         assert len(got) == len(ref), hw
         assert torch.allclose(got.bboxes, ref.bboxes, atol=1e-3), hw
         assert torch.allclose(got.scores, ref.scores, atol=1e-5), hw
     assert graph_captures(model) is None and list(model.state_dict()) == keys
-
-
-def test_cuda_graphs_time_the_masked_window_forms_on_replays():
-    """On a map SLA's windows do not tile, the graph of the eager choices and the graphs of
-    all-compact and all-padded windows are captured and timed as replays; the one kept
-    replays what an eager forward in its form computes, and each form against the
-    padded-window formula stays exact (tests above). A form set by the user is not timed."""
-    from mmslab.deploy.cuda_graph import CUDAGraphModule
-    from mmslab.models.layers.export_mode import export_mode
-    model = _swin('SLABSwin')
-    graphed = CUDAGraphModule(model)
-    x = torch.randn(1, 3, 61, 83, device=CUDA)
-    with torch.inference_mode():
-        got = graphed(x)
-        form = graphed.masked_windows_form(x)
-        assert form in ('auto', 'compact', 'padded')
-        (record, ) = graphed.window_forms.values()
-        assert record['impl'] == form and 'auto_ms' in record
-        assert set(record['eager']) <= {'compact', 'padded'}
-        timed = [k for k in record if k.endswith('_ms')]
-        assert len(timed) >= 2 and all(record[k] > 0 for k in timed)
-        with export_mode(masked_windows=form):
-            ref = model(x)
-        for r, g in zip(ref, got):
-            assert rel_err(g, r) <= 1e-6
-        # another form than the eager choices was kept only on a clear win
-        if form != 'auto':
-            assert record[f'{form}_ms'] * 1.1 < record['auto_ms']
-        assert graphed.captures == 1
-        forced = CUDAGraphModule(model)
-        with export_mode(masked_windows='padded'):
-            forced(x)
-        assert forced.masked_windows_form(x) is None and forced.window_forms == {}
-        # a map the windows tile has no choice to make
-        tiled = torch.randn(1, 3, 64, 64, device=CUDA)
-        graphed(tiled)
-        assert graphed.masked_windows_form(tiled) is None and len(graphed.window_forms) == 1
-
 
 
 @pytest.mark.parametrize('config', ['configs/mask_rcnn_slab_swin_t_1x.py',

@@ -8,10 +8,8 @@ import torch.nn as nn
 import mmslab
 from presets import build_preset
 from mmslab.deploy.cuda_graph import (CUDAGraphModule, _cached_tensors, _flatten, _unflatten,
-                                      graph_captures, graph_window_forms, release_cuda_graphs,
-                                      use_cuda_graphs)
+                                      graph_captures, release_cuda_graphs, use_cuda_graphs)
 from mmslab.models.layers.export_mode import export_mode
-from mmslab.models.layers.shift_window import recording_masked_windows
 
 
 def test_outputs_round_trip_through_their_structure():
@@ -115,31 +113,6 @@ def test_a_weight_change_is_seen_whatever_makes_it():
     assert graphed._weights_changed()
 
 
-
-def test_the_masked_window_choices_a_forward_makes_are_recorded():
-    """What the wrapper learns before deciding to time graphs of each masked-window form:
-    the forms ``auto`` took on a map SLA's windows (8 in stage 1) do not tile; nothing on a
-    map they tile, nothing where a form is set."""
-    model = build_preset('SLABSwin').eval()
-    with torch.no_grad():
-        with recording_masked_windows() as seen:
-            model(torch.randn(1, 3, 61, 83))
-        # stage 1 (16x21 tokens) and 2 (8x11) hold two SLA blocks each, every one untiled
-        assert len(seen) == 4 and set(seen) <= {'compact', 'padded'}
-        with recording_masked_windows() as seen:
-            model(torch.randn(1, 3, 64, 64))
-        assert seen == []
-        with recording_masked_windows() as seen, export_mode(masked_windows='padded'):
-            model(torch.randn(1, 3, 61, 83))
-        assert seen == []
-    graphed = CUDAGraphModule(nn.Identity())
-    graphed.window_forms['1x3x8x8 float32'] = dict(impl='padded', auto_ms=2.0, padded_ms=1.0)
-    model = nn.Module()
-    model.backbone = graphed
-    assert graph_window_forms(model) == {
-        'backbone: 1x3x8x8 float32': dict(impl='padded', auto_ms=2.0, padded_ms=1.0)}
-
-
 class _FakeGraph:
     """Stands in for torch.cuda.CUDAGraph on the CPU: records the masked-windows setting it
     was captured under."""
@@ -151,14 +124,11 @@ class _FakeGraph:
         pass
 
 
-@pytest.fixture
-def fake_cuda_graphs(monkeypatch):
-    """The CUDA calls of a capture replaced by CPU stand-ins, so that the wrapper's choice
-    between graphs of each masked-window form runs here; ``times`` sets each candidate's
-    replay time."""
+def test_a_capture_records_the_forward_as_the_settings_make_it(monkeypatch):
+    """The CUDA calls of a capture replaced by CPU stand-ins: one capture per signature,
+    under the settings in force (no form is chosen by timing replays)."""
     import contextlib
 
-    import mmslab.deploy.cuda_graph as cuda_graph
     from mmslab.models.layers.export_mode import masked_windows_setting
 
     class Stream:
@@ -177,45 +147,12 @@ def fake_cuda_graphs(monkeypatch):
     for name, value in dict(Stream=Stream, current_stream=lambda *a: Stream(), device=null,
                             stream=null, CUDAGraph=_FakeGraph, graph=capture).items():
         monkeypatch.setattr(torch.cuda, name, value)
-    times = {}
-
-    def fastest_ms(fns, device, repeat):
-        assert repeat >= 3
-        return {form: times[form] for form in fns}
-
-    monkeypatch.setattr(cuda_graph, 'fastest_ms', fastest_ms)
-    return times
-
-
-def test_graphs_of_each_masked_window_form_are_timed_and_the_fastest_kept(fake_cuda_graphs,
-                                                                          monkeypatch):
-    import mmslab.models.layers.shift_window as shift_window
-
-    # the eager timing made to take the cropped windows in every block
-    monkeypatch.setattr(shift_window, '_MASKED_CHOICES', {})
-    monkeypatch.setattr(shift_window, 'fastest_ms', lambda fns, device: {
-        form: 1.0 if form.startswith('compact') else 2.0 for form in fns})
     model = build_preset('SLABSwin').eval()
     graphed = CUDAGraphModule(model)
     untiled = [torch.randn(1, 3, 61, 83)]
     with torch.inference_mode():
-        # padded replays 2x faster than the eager choices: kept, captured as padded
-        fake_cuda_graphs.update(auto=2.0, compact=2.5, padded=1.0)
         entry = graphed._capture(untiled, None, torch.device('cpu'))
-        assert entry.form == 'padded' and entry.graph.setting == 'padded'
-        (record, ) = graphed.window_forms.values()
-        assert record['impl'] == 'padded' and record['padded_ms'] == 1.0
-        # (all-compact is the eager choices' graph: not captured twice)
-        assert record['eager'] == ['compact'] and 'compact_ms' not in record
-        # 5 % is no clear win: the eager choices' graph stays
-        fake_cuda_graphs.update(auto=1.0, padded=0.95)
-        entry = graphed._capture(untiled, None, torch.device('cpu'))
-        assert entry.form == 'auto' and entry.graph.setting == 'auto'
-        # a map the windows tile: one graph, no choice recorded
-        entry = graphed._capture([torch.randn(1, 3, 64, 64)], None, torch.device('cpu'))
-        assert entry.form is None and len(graphed.window_forms) == 1
-        # a form set by the user: captured as set, untimed
-        fake_cuda_graphs.clear()
-        with export_mode(masked_windows='compact'):
+        assert entry.graph.setting == 'auto' and len(entry.outputs) == 4
+        with export_mode(masked_windows='padded'):
             entry = graphed._capture(untiled, None, torch.device('cpu'))
-        assert entry.form is None and entry.graph.setting == 'compact'
+        assert entry.graph.setting == 'padded'

@@ -491,18 +491,15 @@ def test_sla_windows_cropped_to_their_valid_span_match_the_padded_formula(form, 
                 assert attn._layout(*hw, x.device)['compact'] is not None
 
 
-def test_masked_windows_auto_times_the_forms_once_per_shape(monkeypatch):
-    """Eager CPU inference picks cropped groups or padded windows, each whole or in chunks of
-    windows, by timing the candidates once per shape: the fastest of each window form is
-    kept, padded only on a clear win, cached and reported; the output is the formula's
-    whichever wins. A set form is taken without timing (its chunks only in inference);
-    training (gradients) takes the cropped groups; a map the windows tile has only the
-    padded form; an unknown setting is refused by name."""
-    from mmslab.models.layers import shift_window as sw
+def test_masked_windows_follow_a_rule(monkeypatch):
+    """The window form is a rule, never a timing: eager CPU inference under ``auto`` takes
+    the cropped groups in chunks, training (gradients) the cropped groups whole, a set form
+    is taken (its chunks only in inference), a map the windows tile has only the padded
+    form, an explicit linear-attention form keeps the whole map; the output is the
+    formula's in every form; an unknown setting is refused by name."""
     torch.manual_seed(3)
     attn = ShiftWindowAttention(16, 2, 8, shift=True, attn_type='sla').double().eval()
     nn.init.normal_(attn.w_msa.positional_encoding, std=0.5)
-    monkeypatch.setattr(sw, '_MASKED_CHOICES', {})
     forms = []
     real = ShiftWindowAttention._windows_forward
 
@@ -513,38 +510,32 @@ def test_masked_windows_auto_times_the_forms_once_per_shape(monkeypatch):
     x = torch.randn(1, 12 * 20, 16, dtype=torch.float64)
     with torch.no_grad():
         out = attn(x, (12, 20))
+        assert torch.equal(attn(x, (12, 20)), out)
     assert rel_err(out[0], shifted_sla_reference(attn, x[0], (12, 20))) <= 1e-10
-    (key, choice), = sw.masked_windows_choices().items()
-    assert key == 'SLA 1x240x16 16x24 2 8 8 4 float64 cpu chunkable'
-    candidates = ('compact', 'padded', 'compact_chunked', 'padded_chunked')
-    ms = {form: choice[f'{form}_ms'] for form in candidates}
-    best = {form: min((form, form + '_chunked'), key=ms.get) for form in ('compact', 'padded')}
-    padded_wins = ms[best['padded']] * sw.PADDED_WINDOWS_MARGIN < ms[best['compact']]
-    assert choice['impl'] == best['padded' if padded_wins else 'compact']
-    timed = len(forms)
-    # each candidate: a warm-up + 3 timed rounds, then the chosen one computes the output
-    assert all(forms[:-1].count(form) == 4 for form in candidates) and timed == 17
-    assert forms[-1] == choice['impl']
-    with torch.no_grad():
-        attn(x, (12, 20))
-    assert forms[timed:] == [choice['impl']]  # cached: no second timing
     with torch.no_grad(), export_mode(masked_windows='padded_chunked'):
         attn(x, (12, 20))
-    with torch.no_grad(), export_mode(masked_windows='compact'):
-        attn(x, (12, 20))
+    with torch.no_grad(), export_mode(masked_windows='padded'):
+        padded = attn(x, (12, 20))
+    assert rel_err(padded[0], shifted_sla_reference(attn, x[0], (12, 20))) <= 1e-10
     attn.train()
     with export_mode(masked_windows='compact_chunked'):  # chunks only in inference
         attn(x.requires_grad_(), (12, 20))
     attn(x, (12, 20))
     attn(torch.randn(1, 16 * 16, 16, dtype=torch.float64, requires_grad=True), (16, 16))
-    # 16x16: tiled by the windows
-    assert forms[timed + 1:] == ['padded_chunked', 'compact', 'compact', 'compact', 'padded']
-    assert len(sw.masked_windows_choices()) == 1
     attn.eval()
-    with torch.no_grad(), export_mode(linear_attention='heads'):  # no chunks: its own choice
+    with torch.no_grad(), export_mode(linear_attention='heads'):  # no chunks
         out = attn(x.detach(), (12, 20))
-    assert forms[-1] in ('compact', 'padded') and len(sw.masked_windows_choices()) == 2
     assert rel_err(out[0], shifted_sla_reference(attn, x[0].detach(), (12, 20))) <= 1e-10
+    # 16x16: tiled by the windows
+    assert forms == ['compact_chunked', 'compact_chunked', 'padded_chunked', 'padded',
+                     'compact', 'compact', 'padded', 'compact']
+    # off the CPU (a GPU's time is launches): the padded windows, one call for all
+    from mmslab.models.layers.shift_window import choose_masked_windows
+    lay = attn._layout(12, 20, torch.device('cpu'))
+    elsewhere = torch.empty(1, 240, 16, device='meta')
+    assert choose_masked_windows(attn, elsewhere, lay) == 'padded'
+    with export_mode(masked_windows='compact'):
+        assert choose_masked_windows(attn, elsewhere, lay) == 'compact'
     with pytest.raises(ValueError, match="masked_windows='cropped'.*auto, compact, padded"):
         with export_mode(masked_windows='cropped'):
             pass
@@ -805,14 +796,16 @@ def count_chunked_calls(monkeypatch) -> list:
 
 
 def force_chunk_products(monkeypatch, form: str) -> list:
-    """SLA's chunks take the ``form`` products (no timing); the list gets one entry per
+    """SLA's chunks take the ``form`` products (chunks run only under the ``auto``
+    linear-attention setting, whose form follows the heads); the list gets one entry per
     chunk that asked."""
+    from mmslab.models.layers import linear_attention as la
     asked = []
 
-    def fixed(self, *args):
+    def fixed(kernel, token_major=False):
         asked.append(form)
         return form
-    monkeypatch.setattr(SLA, '_chunk_product_form', fixed)
+    monkeypatch.setattr(la, 'linear_attention_form', fixed)
     return asked
 
 
@@ -890,42 +883,23 @@ def test_sla_in_chunks_under_bf16_autocast_is_within_bf16_rounding(monkeypatch, 
     assert rel_err(out[0].double(), ref) < 2e-2, rel_err(out[0].double(), ref)
 
 
-@pytest.mark.parametrize('faster', ['heads', 'blockdiag'])
-def test_sla_chunk_products_are_timed_once_per_chunk_shape(monkeypatch, faster):
-    """The chunks' product form is chosen by timing both once per chunk shape (CPUs rank
-    them differently: AMX runs the block-diagonal form's large bf16 products faster, AVX-512
-    without AMX the per-head ones): the faster is taken and cached, each form is timed on
-    a scratch copy (the output is still the formula's), and the choice is reported."""
-    from mmslab.models.layers import linear_attention as la
-    monkeypatch.setattr(la, '_CHUNK_PRODUCTS', {})
-    timed, used = [], []
-
-    def fake_fastest(fns, device, repeat):
-        timed.append(sorted(fns))
-        for fn in fns.values():  # the forms run (on the scratch copy) as in a real timing
-            fn()
-        return {'heads': 1.0 if faster == 'heads' else 2.0,
-                'blockdiag': 1.0 if faster == 'blockdiag' else 2.0}
-    from mmslab.utils import timing
-    monkeypatch.setattr(timing, 'fastest_ms', fake_fastest)
+@pytest.mark.parametrize('heads,form', [(2, 'blockdiag'), (8, 'heads')])
+def test_sla_chunk_products_follow_the_whole_maps_form(monkeypatch, heads, form):
+    """The chunks' products take the form the whole map takes for the kernel's heads
+    (block-diagonal up to BLOCKDIAG_MAX_HEADS, per head above), never a timing: the output
+    is the formula's and the same on every call."""
+    used = []
     for name in ('_add_heads_split', '_add_heads_blockdiag'):
         real = getattr(SLA, name)
         monkeypatch.setattr(SLA, name, lambda self, *a, name=name, real=real:
                             (used.append(name), real(self, *a))[1])
     torch.manual_seed(10)
-    attn = ShiftWindowAttention(16, 2, 8, shift=True, attn_type='sla').double().eval()
+    attn = ShiftWindowAttention(16, heads, 8, shift=True, attn_type='sla').double().eval()
     nn.init.normal_(attn.w_msa.positional_encoding, std=0.5)
     x = torch.randn(1, 12 * 20, 16, dtype=torch.float64)
     with torch.no_grad(), export_mode(masked_windows='compact_chunked'):
         out = attn(x, (12, 20))
-        shapes = len(timed)
-        used.clear()
         again = attn(x, (12, 20))
-    # one timing per chunk shape (the cropped groups of a shifted 12 x 20 map differ)
-    choices = la.chunk_product_choices()
-    assert shapes == len(choices) >= 2 and len(timed) == shapes
-    assert all(t == ['blockdiag', 'heads'] for t in timed)
-    assert all(c['impl'] == faster for c in choices.values())
-    assert set(used) == {'_add_heads_split' if faster == 'heads' else '_add_heads_blockdiag'}
+    assert set(used) == {'_add_heads_split' if form == 'heads' else '_add_heads_blockdiag'}
     ref = shifted_sla_reference(attn, x[0], (12, 20))
     assert rel_err(out[0], ref) <= 1e-10 and torch.equal(out, again)

@@ -1,9 +1,5 @@
-"""Window softmax attention: both implementations equal an explicit softmax, and the one used
-at inference is chosen by measurement (or forced by ``export_mode(window_softmax=...)``, whose
-process default is MMSLAB_WINDOW_SOFTMAX)."""
-import os
-import subprocess
-import sys
+"""Window softmax attention: both implementations equal an explicit softmax; the one used is a
+rule (``sdpa`` eager, ``matmul`` in graphs) or set by ``export_mode(window_softmax=...)``."""
 
 import pytest
 import torch
@@ -31,8 +27,7 @@ def explicit_window_attention(qkv, heads, scale, bias, mask):
 
 @pytest.mark.parametrize('impl', ['sdpa', 'matmul'])
 @pytest.mark.parametrize('shift', [False, True])
-def test_each_implementation_matches_explicit_softmax(monkeypatch, impl, shift):
-    monkeypatch.setattr(wa, '_time_implementations', lambda *a, **k: pytest.fail('timed'))
+def test_each_implementation_matches_explicit_softmax(impl, shift):
     torch.manual_seed(0)
     attn = ShiftWindowAttention(24, 3, 4, shift=shift).eval()
     torch.nn.init.normal_(attn.w_msa.relative_position_bias_table, std=0.5)
@@ -50,37 +45,18 @@ def test_each_implementation_matches_explicit_softmax(monkeypatch, impl, shift):
         assert layout['shift_mask'] is not None and (layout['shift_mask'] < 0).any()
 
 
-def test_choice_is_measured_once_per_shape_and_recorded(monkeypatch):
-    assert current_export_mode()['window_softmax'] == 'auto'
-    monkeypatch.setattr(wa, '_CHOICES', {})
-    timed = []
-    real = wa._time_implementations
-
-    def counting(*args, **kwargs):
-        timed.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(wa, '_time_implementations', counting)
-    attn = ShiftWindowAttention(16, 2, 4).eval()
-    with torch.no_grad():
-        for _ in range(3):
-            attn(torch.randn(1, 64, 16), (8, 8))
-        attn(torch.randn(1, 144, 16), (12, 12))
-    assert len(timed) == 2, 'one measurement per attention shape'
-    choices = wa.window_softmax_choices()
-    assert len(choices) == 2
-    for choice in choices.values():
-        assert choice['impl'] in ('sdpa', 'matmul')
-        faster = min(('sdpa', 'matmul'), key=lambda k: choice[f'{k}_ms'])
-        assert choice['impl'] == faster
-
-
-def test_training_and_export_do_not_measure(monkeypatch):
-    monkeypatch.setattr(wa, '_time_implementations', lambda *a, **k: pytest.fail('timed'))
+def test_the_choice_is_a_rule():
+    """sdpa in eager runs, training and inference alike; matmul while exporting; a set
+    form wins. Nothing is timed (no timer is imported by the layers)."""
     q = torch.randn(2, 2, 16, 8, requires_grad=True)
     k, v = torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
     mask = torch.zeros(2, 2, 16, 16)
     assert wa.choose_window_softmax(q, k, v, mask, 0.3) == 'sdpa'
+    with torch.no_grad():
+        assert wa.choose_window_softmax(q, k, v, mask, 0.3) == 'sdpa'
+        with export_mode(window_softmax='matmul'):
+            assert wa.choose_window_softmax(q, k, v, mask, 0.3) == 'matmul'
+    assert not hasattr(wa, 'fastest_choice')
 
 
 def test_invalid_forced_choice_is_an_error():
@@ -88,19 +64,3 @@ def test_invalid_forced_choice_is_an_error():
         with export_mode(window_softmax='fastest'):
             pass
     assert current_export_mode()['window_softmax'] == 'auto'  # restored after the error
-
-
-@pytest.mark.parametrize('value, ok', [('matmul', True), ('fastest', False)])
-def test_environment_sets_the_process_default_once(value, ok):
-    """MMSLAB_WINDOW_SOFTMAX is read when export_mode is imported, and a bad value fails
-    there, naming the choices."""
-    code = ('from mmslab.models.layers.export_mode import current_export_mode; '
-            'print(current_export_mode()["window_softmax"])')
-    env = dict(os.environ, MMSLAB_WINDOW_SOFTMAX=value)
-    run = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True)
-    if ok:
-        assert run.returncode == 0, run.stderr
-        assert run.stdout.strip() == value
-    else:
-        assert run.returncode != 0
-        assert "MMSLAB_WINDOW_SOFTMAX='fastest'; valid: auto, sdpa, matmul" in run.stderr

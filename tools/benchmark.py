@@ -52,11 +52,9 @@ from mmengine.config import DictAction
 from mmengine.utils import ProgressBar
 
 import mmslab  # noqa: F401
-from mmslab.deploy.cuda_graph import graph_captures, graph_window_forms, use_cuda_graphs
+from mmslab.deploy.cuda_graph import graph_captures, use_cuda_graphs
 from mmslab.utils.launch import build_model_from_config
-from mmslab.models.layers.linear_attention import chunk_product_choices
-from mmslab.models.layers.shift_window import masked_windows_choices
-from mmslab.models.layers.window_attention import window_softmax_choices
+from mmslab.models.layers.export_mode import current_export_mode
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
 from mmslab.utils.machine import machine_info, machine_line
 from mmslab.utils.plotting import saved_figure
@@ -238,14 +236,10 @@ def main(argv=None):
                   repeat=args.repeat, warmup=args.warmup, torch=torch.__version__,
                   references=references, results=results, ratios=ratios(results, name),
                   speedups=speedups(results, references),
-                  window_softmax=window_softmax_choices(),
-                  masked_windows=masked_windows_choices(),
-                  chunk_products=chunk_product_choices())
+                  export_mode=current_export_mode())
     if args.cuda_graph:
         graph_variants = {k: m for k, m in variants.items() if k.endswith(GRAPHED_SUFFIX)}
         report['cuda_graph'] = {k: graph_captures(m) for k, m in graph_variants.items()}
-        forms = {k: graph_window_forms(m) for k, m in graph_variants.items()}
-        report['cuda_graph_windows'] = {k: f for k, f in forms.items() if f}
     if compiled:
         report['compile'] = dict(backend=args.compile_backend, dynamic=args.compile_dynamic,
                                  first_calls=with_eager_times(compile_runs, results))
@@ -253,10 +247,6 @@ def main(argv=None):
     for key, captures in report.get('cuda_graph', {}).items():
         print(f'{key}: {captures} CUDA graph(s) captured' + (
             '' if captures else ' (WARNING: it ran eagerly; its rows are not graph replays)'))
-        for sig, rec in report['cuda_graph_windows'].get(key, {}).items():
-            print(f'  masked windows of {sig}: ' + ', '.join(
-                f'{k[:-3]} {v:.2f} ms' for k, v in rec.items() if k.endswith('_ms')) +
-                f" -> {rec['impl']} (eager chose {'/'.join(rec['eager'])})")
     save_report(report, args.out, 'benchmark', plot)
     return report
 

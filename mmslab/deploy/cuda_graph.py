@@ -23,13 +23,6 @@ A graph replays the exact kernels captured, on the same memory:
   if a module's cache drops them;
 * training mode, or a call that records gradients, runs the module eagerly: graphs serve
   inference only;
-* where the forward holds a timed choice of masked-window form (SLA or BiNorm windows on a
-  map they do not tile, ``masked_windows='auto'``), the graph of the eager choices and the
-  graphs of all-``compact`` and all-``padded`` windows are captured and their replays timed:
-  eager timing counts kernel launches that a graph does not pay, so it can pick the padded
-  windows' extra arithmetic where the cropped groups replay faster. Another form than the
-  eager choices is kept only on a clear win (:data:`PADDED_WINDOWS_MARGIN`), the rest are
-  released; :attr:`CUDAGraphModule.window_forms` records the times.
 """
 from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple, Union
@@ -38,12 +31,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from mmslab.models.layers.export_mode import export_mode, masked_windows_setting
-from mmslab.models.layers.shift_window import PADDED_WINDOWS_MARGIN, recording_masked_windows
 from mmslab.utils.tensor_state import tensor_state
-from mmslab.utils.timing import fastest_ms
 
-__all__ = ['CUDAGraphModule', 'use_cuda_graphs', 'release_cuda_graphs', 'graph_window_forms']
+__all__ = ['CUDAGraphModule', 'use_cuda_graphs', 'release_cuda_graphs']
 
 Inputs = Union[Tensor, Sequence[Tensor]]
 
@@ -129,9 +119,6 @@ class CUDAGraphModule(nn.Module):
         self._graphs = OrderedDict()  # signature -> _Graph
         self._weights = None
         self.captures = 0  # graphs kept so far (re-captures included), for reports
-        #: per captured signature where the forward chooses a masked-window form: the form
-        #: its graph runs (``auto``: the eager choices) and each candidate's replay time
-        self.window_forms = {}
 
     def extra_repr(self) -> str:
         return f'max_graphs={self.max_graphs}, graphs={len(self._graphs)}'
@@ -180,15 +167,6 @@ class CUDAGraphModule(nn.Module):
         outs = [t.clone() for t in entry.outputs] if self.clone_outputs else list(entry.outputs)
         return _unflatten(outs, entry.out_spec)
 
-    def masked_windows_form(self, inputs: Inputs) -> Optional[str]:
-        """The ``masked_windows`` setting under which an eager forward computes what the graph
-        for ``inputs``' signature replays (``auto``: the eager choices; None: no graph for
-        it, or no choice of its own: its forward has no masked-window choice, or a form is
-        set)."""
-        flat, _ = _flatten(inputs)
-        entry = self._graphs.get(self._signature(flat))
-        return None if entry is None else entry.form
-
     @staticmethod
     def _signature(flat: List[Tensor]) -> tuple:
         return (tuple((tuple(t.shape), t.dtype, t.stride(), t.device) for t in flat),
@@ -196,40 +174,15 @@ class CUDAGraphModule(nn.Module):
                 torch.is_inference_mode_enabled())
 
     def _capture(self, flat: List[Tensor], spec, device: torch.device) -> '_Graph':
+        """Eager warm-up calls and one capture on a copy of ``flat``."""
         static_in = [t.clone() for t in flat]
-        if masked_windows_setting() != 'auto':
-            return self._capture_form(static_in, spec, device, None)
-        with recording_masked_windows() as eager_forms:
-            entry = self._capture_form(static_in, spec, device, 'auto')
-        if not eager_forms:  # no masked-window choice in this forward
-            entry.form = None
-            return entry
-        candidates = {'auto': entry}
-        for form in ('compact', 'padded'):
-            if set(eager_forms) != {form}:  # (else the eager choices' graph is this one)
-                candidates[form] = self._capture_form(static_in, spec, device, form)
-        times = fastest_ms({form: c.graph.replay for form, c in candidates.items()}, device,
-                           repeat=5)
-        best = min(times, key=times.get)
-        # another form than the eager choices only on a clear win (as the eager choice)
-        if times[best] * PADDED_WINDOWS_MARGIN >= times['auto']:
-            best = 'auto'
-        self.window_forms[_describe(static_in)] = dict(
-            impl=best, eager=sorted(set(eager_forms)),
-            **{f'{form}_ms': ms for form, ms in times.items()})
-        return candidates[best]  # (the others and their memory pools are released)
-
-    def _capture_form(self, static_in: List[Tensor], spec, device: torch.device,
-                      form: Optional[str]) -> '_Graph':
-        """Eager warm-up calls and one capture on ``static_in``, under the ``masked_windows``
-        setting ``form`` (None: the current one)."""
         # Autocast's cast cache must not feed a capture: a weight cast cached by an earlier
         # call is freed when that autocast region ends, and the graph would read freed memory.
         autocast = torch.autocast('cuda', enabled=torch.is_autocast_enabled('cuda'),
                                   dtype=torch.get_autocast_dtype('cuda'), cache_enabled=False)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.device(device), autocast, export_mode(masked_windows=form):
+        with torch.cuda.device(device), autocast:
             with torch.cuda.stream(side):
                 for _ in range(self.warmup):
                     self.module(_unflatten(static_in, spec))
@@ -239,25 +192,16 @@ class CUDAGraphModule(nn.Module):
                 outputs = self.module(_unflatten(static_in, spec))
         static_out, out_spec = _flatten(outputs)
         # (the caches' tensors the graph may read, kept alive with it)
-        return _Graph(graph, static_in, static_out, out_spec, _cached_tensors(self.module),
-                      form)
+        return _Graph(graph, static_in, static_out, out_spec, _cached_tensors(self.module))
 
 
 class _Graph:
-    """One captured graph: its static inputs and outputs, the output structure, the cached
-    tensors it may read, and the ``masked_windows`` setting it was captured under."""
+    """One captured graph: its static inputs and outputs, the output structure and the
+    cached tensors it may read."""
 
-    def __init__(self, graph, inputs, outputs, out_spec, kept, form):
+    def __init__(self, graph, inputs, outputs, out_spec, kept):
         self.graph, self.inputs, self.outputs, self.out_spec = graph, inputs, outputs, out_spec
-        self.kept, self.form = kept, form
-
-
-def _describe(flat: List[Tensor]) -> str:
-    """A readable signature for reports: shapes, dtype and autocast's dtype where it is on."""
-    shapes = ' '.join('x'.join(map(str, t.shape)) for t in flat)
-    amp = torch.get_autocast_dtype('cuda') if torch.is_autocast_enabled('cuda') else None
-    return f"{shapes} {str(flat[0].dtype).replace('torch.', '')}" + (
-        f" autocast {str(amp).replace('torch.', '')}" if amp is not None else '')
+        self.kept = kept
 
 
 GRAPHED_PARTS = ('backbone', 'neck')
@@ -303,9 +247,3 @@ def graph_captures(model: nn.Module) -> Optional[int]:
     counts = [m.captures for m in model.modules() if isinstance(m, CUDAGraphModule)]
     return sum(counts) if counts else None
 
-
-def graph_window_forms(model: nn.Module) -> dict:
-    """The masked-window forms ``model``'s :class:`CUDAGraphModule` parts chose by timing
-    their replays (:attr:`CUDAGraphModule.window_forms`), keyed ``'part: signature'``."""
-    return {f'{name}: {sig}': dict(rec) for name, m in model.named_modules()
-            if isinstance(m, CUDAGraphModule) for sig, rec in m.window_forms.items()}

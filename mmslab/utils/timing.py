@@ -162,19 +162,3 @@ def measure_interleaved(fns: Dict[Hashable, Callable[[], object]], repeat: int, 
                     progress()
     return times
 
-
-def fastest_ms(fns: Dict[Hashable, Callable[[], object]], device: DeviceLike = None,
-               repeat: int = 3, warmup: int = 1) -> Dict[Hashable, float]:
-    """Each callable's best time in ms over ``repeat`` interleaved rounds after ``warmup``
-    calls (:func:`measure_interleaved`): what layers time once to choose between forms of
-    one computation (noise hits every form alike and the minimum filters it out)."""
-    times = measure_interleaved(fns, repeat, warmup, device=device)
-    return {name: min(ms) for name, ms in times.items()}
-
-
-def fastest_choice(fns: Dict[str, Callable[[], object]], device: DeviceLike = None,
-                   repeat: int = 3) -> dict:
-    """:func:`fastest_ms` of each form, as a layer's cached choice: ``{'impl': the fastest
-    form's name, '<name>_ms': its best time, ...}`` for every form."""
-    times = fastest_ms(fns, device, repeat)
-    return dict(impl=min(times, key=times.get), **{f'{name}_ms': ms for name, ms in times.items()})

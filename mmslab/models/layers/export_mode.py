@@ -40,32 +40,29 @@ These choices change the form a layer takes (never its numbers):
   measured (docs/benchmarks.md), ``heads`` above; in a ``token_major`` graph, window SLA
   gathers its windows token-major and takes ``heads`` (``SLA.attend_token_major``: the
   permutations fold into onnxruntime's products, no transposes either). The same numbers
-  every way. Under ``auto``, eager CPU inference may also run window SLA in chunks of
-  windows (``qkv``, the products, per head or block-diagonal, whichever a timing on the
-  machine found faster for the chunk's shape, and ``proj`` per chunk; see
+  every way. Under ``auto``, eager CPU inference also runs window SLA in chunks of
+  windows (``qkv``, the products in the same form, and ``proj`` per chunk; see
   ``masked_windows``); an explicit form keeps the whole-map computation in that form.
 * ``window_softmax`` (``auto`` | ``sdpa`` | ``matmul``): how eager window softmax attention
-  is computed; ``auto`` times both once per shape
-  (:func:`~mmslab.models.layers.window_attention.choose_window_softmax`). The process
-  default comes from the environment variable ``MMSLAB_WINDOW_SOFTMAX``, read once here at
-  import; layers never read the environment.
+  is computed; ``auto``: ``sdpa`` (PyTorch's fused attention, as in training), ``matmul``
+  in exported and compiled graphs
+  (:func:`~mmslab.models.layers.window_attention.choose_window_softmax`).
 * ``masked_windows`` (``auto`` | ``compact`` | ``padded`` | either ``_chunked``): how eager
   inference computes the windows of a kernel that masks padding (SLA, BiNorm) on a map the
   windows do not tile:
   ``compact`` crops them to their valid spans, one kernel call per group of equal spans (no
   padded slot computed: least arithmetic), ``padded`` runs every padded window in one call
-  with the padded slots masked (fewest kernel launches: what a GPU at batch 1 waits on).
-  Either, suffixed ``_chunked`` (``compact_chunked``), in chunks of windows small enough to
-  stay in cache, where the kernel has that form (SLA) in eager CPU inference, and the whole
-  map elsewhere. ``auto`` times the candidates once per shape
-  (:func:`~mmslab.models.layers.shift_window.choose_masked_windows`); training and traced
-  graphs take ``compact``. Process default: ``MMSLAB_MASKED_WINDOWS``. The same numbers
-  either way.
+  with the padded slots masked (fewest kernel launches). Either, suffixed ``_chunked``
+  (``compact_chunked``), in chunks of windows small enough to stay in cache, where the
+  kernel has that form (SLA) in eager CPU inference, and the whole map elsewhere. ``auto``:
+  ``compact``, chunked where chunks apply
+  (:func:`~mmslab.models.layers.shift_window.choose_masked_windows`); traced graphs take
+  ``compact``. The same numbers in every form.
 
+No choice is made by timing: the same input gives the same output in every run.
 Use :func:`export_mode` to set any of them for a ``with`` block; :func:`current_export_mode`
 reads them.
 """
-import os
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -89,12 +86,7 @@ def _checked_choice(value: str, source: str, choices=WINDOW_SOFTMAX_CHOICES) -> 
 
 
 _state = dict(layout='packed', head_layout='window_major', symbolic=False,
-              linear_attention='auto',
-              window_softmax=_checked_choice(
-                  os.environ.get('MMSLAB_WINDOW_SOFTMAX', 'auto'), 'MMSLAB_WINDOW_SOFTMAX'),
-              masked_windows=_checked_choice(
-                  os.environ.get('MMSLAB_MASKED_WINDOWS', 'auto'), 'MMSLAB_MASKED_WINDOWS',
-                  MASKED_WINDOWS_CHOICES))
+              linear_attention='auto', window_softmax='auto', masked_windows='auto')
 
 
 @contextmanager

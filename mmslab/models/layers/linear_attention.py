@@ -21,7 +21,6 @@ from torch import Tensor
 
 from mmslab.registry import register_model
 from mmslab.utils.tensor_state import tensor_state
-from mmslab.utils.timing import fastest_choice
 from .reparameterizable import Reparameterizable
 from .export_mode import (compiling, exporting, linear_attention_form,
                           symbolic_shapes_enabled)
@@ -44,16 +43,6 @@ def _key_sum(k: Tensor, valid: Optional[Tensor]) -> Tensor:
 
 
 _HEAD_MASKS = {}
-#: :meth:`SLA._chunk_product_form`'s timed choices: ``{(B', N, C, heads, dtype, device):
-#: {'impl': ..., 'heads_ms': ..., 'blockdiag_ms': ...}}``.
-_CHUNK_PRODUCTS = {}
-
-
-def chunk_product_choices() -> dict:
-    """The product form SLA's eager chunks took per chunk shape so far, for benchmark
-    reports: ``{"B'xNxC heads dtype device": {'impl': ..., 'heads_ms': ..., ...}}``."""
-    return {f"{'x'.join(map(str, k[:3]))} {k[3]} {str(k[4]).replace('torch.', '')} {k[5]}":
-            dict(v) for k, v in _CHUNK_PRODUCTS.items()}
 
 
 def _head_masks(c: int, h: int, dtype, device) -> Tuple[Tensor, Tensor]:
@@ -258,9 +247,9 @@ class SLA(Reparameterizable, WindowKernelBase):
         so the DWC reads it as a channels-last map without a copy; the per-head products
         run on strided per-head views (no transposed copies, a third or a sixth of the
         block-diagonal form's multiply-adds), numerator and normalizer from one product
-        ``q_h [S_h | z_h]``, or in the block-diagonal form, whichever is faster on this
-        machine (:meth:`_chunk_product_form`), and the quotient is added in place to the
-        DWC's output.
+        ``q_h [S_h | z_h]``, or in the block-diagonal form, as the whole map takes them
+        (:func:`~mmslab.models.layers.export_mode.linear_attention_form`), and the quotient
+        is added in place to the DWC's output.
         ``valid``: ``[B', N]`` (padded slots: any finite token; their outputs are not read)."""
         bw, n, c = x.shape
         wh, ww = window_hw
@@ -278,7 +267,7 @@ class SLA(Reparameterizable, WindowKernelBase):
         out = self._tiled_dwc(v.view(bw, wh, ww, c).permute(0, 3, 1, 2))
         out = out.permute(0, 2, 3, 1).reshape(bw, n, c)  # (a view: the DWC is channels-last)
         q = qk[..., :c]
-        form = self._chunk_product_form(q, k, v, z, out)
+        form = linear_attention_form(self)
         (self._add_heads_blockdiag if form == 'blockdiag' else self._add_heads_split)(
             q, k, v, z, out)
         return out
@@ -308,23 +297,6 @@ class SLA(Reparameterizable, WindowKernelBase):
             s_z = torch.cat([k_i.transpose(-2, -1) @ v_i, z_i.unsqueeze(-1)], dim=-1)
             num = q_i @ s_z  # [.., N, d + 1]: the numerator and the normalizer
             out_i.addcdiv_(num[..., :d], num[..., d:] + self.eps)
-
-    def _chunk_product_form(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor,
-                            out: Tensor) -> str:
-        """``'blockdiag'`` or ``'heads'`` for :meth:`attend_windows` on a chunk of this shape:
-        timed once per chunk shape, heads, dtype and device on these inputs (best of 3,
-        interleaved, on a scratch copy of ``out``) and cached (:func:`chunk_product_choices`).
-        CPUs rank them differently: in bf16 one with AMX runs the block-diagonal form's three
-        large products faster, one with AVX-512 but no AMX the per-head products."""
-        key = (*q.shape, self.num_heads, q.dtype, q.device.type)
-        choice = _CHUNK_PRODUCTS.get(key)
-        if choice is None:
-            scratch = out.clone()
-            choice = fastest_choice({form: (lambda fn=fn: fn(q, k, v, z, scratch)) for form, fn in
-                                     (('heads', self._add_heads_split),
-                                      ('blockdiag', self._add_heads_blockdiag))}, q.device)
-            _CHUNK_PRODUCTS[key] = choice
-        return choice['impl']
 
     def _window_biases(self, window_hw, origin, dtype) -> Tuple[Tensor, Tensor]:
         """:meth:`attend_windows`' biases in ``dtype``: ``[N, 2C]`` q's bias and k's bias plus

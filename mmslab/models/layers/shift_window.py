@@ -1,16 +1,12 @@
 """(Shifted-)window partitioning around any window attention kernel."""
-import logging
-from contextlib import contextmanager
-from typing import Iterator, List, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from mmengine.logging import print_log
 from torch import Tensor
 
-from mmslab.utils.timing import fastest_ms
 from .builder import build_window_attention
 from .export_mode import (compiling, exporting, head_layout_setting, linear_attention_form,
                           linear_attention_setting, masked_windows_setting, split_layout_token,
@@ -137,12 +133,6 @@ def _axis_window_classes(size: Size, win: Size, shift: Size) -> dict:
                 position=torch.where(tail, frame - tail_start, frame - window * win))
 
 
-_MASKED_CHOICES = {}
-#: ``auto`` takes the padded windows when they are this many times faster than the cropped
-#: groups. Measured per SLAB-Swin-T block: on a CPU cropped wins where the map is far from a
-#: multiple of the window and the two are close where it is close; on a GPU at batch 1 padded
-#: wins (fewer, larger kernels), at larger batches they are close (docs/benchmarks.md).
-PADDED_WINDOWS_MARGIN = 1.1
 #: The suffix of a form computed in chunks of windows (``compact_chunked``: see
 #: :meth:`ShiftWindowAttention._forward_in_chunks`).
 CHUNKED = '_chunked'
@@ -155,95 +145,32 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-_RECORDERS: List[list] = []
-
-
-@contextmanager
-def recording_masked_windows() -> Iterator[List[str]]:
-    """Collects, in the list it yields, the window form (``compact`` or ``padded``, chunked
-    or not) :func:`choose_masked_windows` took under ``auto`` for each call inside the block
-    that had a choice to make (a map the windows do not tile):
-    :class:`~mmslab.deploy.cuda_graph.CUDAGraphModule` learns from it whether a captured
-    forward holds such a choice, and which."""
-    seen = []
-    _RECORDERS.append(seen)
-    try:
-        yield seen
-    finally:
-        _RECORDERS.remove(seen)
-
-
-def masked_windows_choices() -> dict:
-    """The form :func:`choose_masked_windows` took per shape so far, for benchmark reports:
-    ``{'kernel B x HxW x C heads window shift dtype device[ chunkable]': {'impl': ...,
-    'compact_ms': ..., 'padded_ms': ..., 'compact_chunked_ms': ..., ...}}`` (``dtype``:
-    autocast's where it is on; ``chunkable``: chunks were candidates)."""
-    def label(kernel, shape, hw, heads, wh, ww, shift, dtype, device, chunkable):
-        return (f"{kernel} {'x'.join(map(str, shape))} {hw[0]}x{hw[1]} {heads} {wh} {ww} "
-                f"{shift} {str(dtype).replace('torch.', '')} {device}" +
-                (' chunkable' if chunkable else ''))
-    return {label(*k): dict(v) for k, v in _MASKED_CHOICES.items()}
-
-
 def choose_masked_windows(attn: 'ShiftWindowAttention', x: Tensor, lay: dict) -> str:
-    """How eager ``attn`` computes the windows of ``lay``: ``compact`` or ``padded`` on a map
-    the windows do not tile (see ``masked_windows`` in
-    :mod:`~mmslab.models.layers.export_mode`), ``padded`` (every window) on one they tile;
-    suffixed ``_chunked`` where the kernel's eager CPU inference may run in chunks of
-    windows (:meth:`ShiftWindowAttention._forward_in_chunks`).
+    """How ``attn`` computes the windows of ``lay`` (see ``masked_windows`` in
+    :mod:`~mmslab.models.layers.export_mode`): ``padded`` (every window) on a map the
+    windows tile; on one they do not, the set form, else by where the time goes:
 
-    Where there is more than one candidate, ``auto`` times them once per shape on these
-    inputs (best of 3, interleaved) and caches the choice per kernel, input shape, padded
-    map, heads, window, shift, dtype (autocast's where it is on), device and whether chunks
-    apply: the cropped groups compute fewer slots, the padded windows launch fewer kernels,
-    chunks keep intermediates in cache but take more, smaller products, and which wins
-    depends on the device, the batch, the dtype and the map (the chunks win at 800x1344 in
-    float32 on the CPU measured, the whole map in bf16 at 512x512). The
-    padded windows are taken over the cropped groups only on a clear win
-    (:data:`PADDED_WINDOWS_MARGIN`). A set form is taken without timing (its chunks only
-    where they apply). Traced graphs always take ``compact``; training does unless a form
-    is set."""
-    tiled = lay.get('compact') is None  # the windows tile the map: only padded windows
+    * on a CPU, arithmetic: ``compact``, the windows cropped to their valid spans, computes
+      no padded slot (SLAB-Swin-T's first stage at 512x512 has 16384 tokens in 28224 padded
+      window slots), and in eager inference runs in chunks of windows where the kernel has
+      that form (:meth:`ShiftWindowAttention._chunked_dtype`);
+    * on a GPU, kernel launches: ``padded``, one call for every window where the cropped
+      groups take up to four.
+
+    Traced graphs take ``compact``. A rule, never a timing: the same input gives the same
+    output in every run."""
+    tiled = lay.get('compact') is None
     if exporting() or compiling():
         return 'padded' if tiled else 'compact'
     setting = masked_windows_setting()
-    chunkable = attn._chunked_dtype(x) is not None
-    if setting != 'auto':  # (chunks only where they apply: eager CPU inference)
-        form = 'padded' if tiled else setting.split(CHUNKED)[0]
-        return form + CHUNKED if setting.endswith(CHUNKED) and chunkable else form
-    if torch.is_grad_enabled() and x.requires_grad:
-        return 'padded' if tiled else 'compact'
-    forms = ('padded', ) if tiled else ('compact', 'padded')
-    candidates = forms + tuple(form + CHUNKED for form in forms) if chunkable else forms
-    if len(candidates) == 1:
-        return candidates[0]
-    kernel = attn.w_msa
-    dtype = compute_dtype(x)
-    # (raw values, formatted only for reports: this runs in every forward)
-    key = (type(kernel).__name__, tuple(x.shape), lay['cache_key'][:2], kernel.num_heads,
-           lay['wh'], lay['ww'], attn.shift_size, dtype, x.device.type, chunkable)
-    choice = _MASKED_CHOICES.get(key)
-    if choice is None:
-        best = fastest_ms({form: (lambda form=form: attn._windows_forward(x, lay, form))
-                           for form in candidates}, x.device)
-        # per window form, the faster of whole and chunked
-        fastest = {form: min((f for f in best if f.split(CHUNKED)[0] == form), key=best.get)
-                   for form in forms}
-        impl = fastest[forms[0]]
-        # padded only on a clear win: a choice that flips on noise would change the rounding
-        # of the outputs from one run to the next
-        if len(forms) > 1 and \
-                best[fastest['padded']] * PADDED_WINDOWS_MARGIN < best[fastest['compact']]:
-            impl = fastest['padded']
-        choice = dict(impl=impl, **{f'{form}_ms': ms for form, ms in best.items()})
-        _MASKED_CHOICES[key] = choice
-        print_log(f'masked windows {key}: ' +
-                  ', '.join(f'{form} {ms:.2f} ms' for form, ms in best.items()) +
-                  f' -> {impl}', logger='current', level=logging.DEBUG)
-    if _RECORDERS and len(forms) > 1:
-        for seen in _RECORDERS:
-            seen.append(choice['impl'].split(CHUNKED)[0])
-    return choice['impl']
+    if tiled:
+        form = 'padded'
+    elif setting == 'auto':
+        form = 'compact' if x.device.type == 'cpu' else 'padded'
+    else:
+        form = setting.split(CHUNKED)[0]
+    chunked = setting == 'auto' or setting.endswith(CHUNKED)
+    return form + CHUNKED if chunked and attn._chunked_dtype(x) is not None else form
 
 
 class ShiftWindowAttention(nn.Module):

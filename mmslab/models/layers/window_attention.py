@@ -6,19 +6,16 @@ softmax, whichever a one-time measurement finds faster for the shape on this CPU
 Parameter names follow mmdet's ``WindowMSA`` (``qkv``, ``proj``,
 ``relative_position_bias_table``, ``relative_position_index``) so mmdet Swin weights load.
 """
-import logging
 from typing import Optional, Tuple
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from mmengine.logging import print_log
 from mmengine.model.weight_init import trunc_normal_
 from torch import Tensor
 
 from mmslab.registry import register_model
-from mmslab.utils.timing import fastest_choice
 from mmslab.utils.tensor_state import tensor_state
 from .affine import fold_affine_into_next_linear
 from .reparameterizable import Reparameterizable
@@ -410,46 +407,16 @@ def _softmax_matmul(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float)
     return attn.softmax(dim=-1) @ v
 
 
-#: The two ways of computing window softmax attention; which is faster depends on the CPU
-#: (SDPA's flash kernel wins on some, plain matmul + softmax on others), hence the timing.
+#: The two ways of computing eager window softmax attention (the same numbers up to rounding).
 WINDOW_SOFTMAX_IMPLS = {'sdpa': _softmax_sdpa, 'matmul': _softmax_matmul}
-_CHOICES = {}
-
-
-def window_softmax_choices() -> dict:
-    """The implementation chosen per attention shape so far, for benchmark reports:
-    ``{'B*nW x heads x N x d': {'impl': ..., 'sdpa_ms': ..., 'matmul_ms': ...}}``."""
-    return {'x'.join(map(str, k[:4])): dict(v) for k, v in _CHOICES.items()}
 
 
 def choose_window_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> str:
-    """Pick the faster implementation for this shape by timing both once on these inputs.
-
-    The choice is cached per (windows, heads, tokens, head dims, dtype, device, grad).
-    ``export_mode(window_softmax='sdpa'|'matmul')`` (or ``MMSLAB_WINDOW_SOFTMAX``, the
-    process default) forces one. While exporting (ONNX, tracing) or with gradients
-    (training), no timing: export uses ``matmul`` (plain ops every runtime fuses its own
-    way), training uses ``sdpa`` (its backward is fused).
-    """
+    """``export_mode(window_softmax='sdpa'|'matmul')`` where one is set; otherwise ``sdpa``,
+    PyTorch's fused attention, which training uses too (its backward is fused); ``matmul``
+    (plain ops every runtime fuses its own way) while exporting or compiling. Never timed:
+    the same input gives the same output in every run."""
     forced = window_softmax_setting()
     if forced != 'auto':
         return forced
-    if exporting() or compiling():
-        return 'matmul'
-    if torch.is_grad_enabled() and q.requires_grad:
-        return 'sdpa'
-    key = (*q.shape, q.dtype, q.device.type)
-    choice = _CHOICES.get(key)
-    if choice is None:
-        choice = _time_implementations(q, k, v, mask, scale)
-        _CHOICES[key] = choice
-        print_log(f'window softmax attention {tuple(q.shape)}: sdpa {choice["sdpa_ms"]:.2f} ms, '
-                  f'matmul {choice["matmul_ms"]:.2f} ms -> {choice["impl"]}', logger='current',
-                  level=logging.DEBUG)
-    return choice['impl']
-
-
-def _time_implementations(q, k, v, mask, scale, repeat: int = 3) -> dict:
-    # interleaved, best of `repeat`; CUDA events on a GPU (kernels run asynchronously)
-    return fastest_choice({name: (lambda fn=fn: fn(q, k, v, mask, scale))
-                           for name, fn in WINDOW_SOFTMAX_IMPLS.items()}, q.device, repeat)
+    return 'matmul' if exporting() or compiling() else 'sdpa'
