@@ -795,35 +795,18 @@ def count_chunked_calls(monkeypatch) -> list:
     return calls
 
 
-def force_chunk_products(monkeypatch, form: str) -> list:
-    """SLA's chunks take the ``form`` products (chunks run only under the ``auto``
-    linear-attention setting, whose form follows the heads); the list gets one entry per
-    chunk that asked."""
-    from mmslab.models.layers import linear_attention as la
-    asked = []
-
-    def fixed(kernel, token_major=False):
-        asked.append(form)
-        return form
-    monkeypatch.setattr(la, 'linear_attention_form', fixed)
-    return asked
-
-
 @pytest.mark.parametrize('shift', [False, True])
 @pytest.mark.parametrize('masked', ['compact', 'padded'])
 @pytest.mark.parametrize('values', [1, 10 ** 6])
-@pytest.mark.parametrize('products', ['heads', 'blockdiag'])
 def test_sla_eager_inference_in_chunks_matches_the_padded_formula(monkeypatch, shift, masked,
-                                                                  values, products):
+                                                                  values):
     """Eager CPU inference of window SLA in chunks of windows (qkv, kernel and proj per
     chunk, ShiftWindowAttention._forward_in_chunks): one window per chunk (``values`` 1) or
     all at once, on cropped groups or padded windows, two images, maps that pad, wrap, end
-    in partial windows or fit in one window along an axis, per-head or block-diagonal
-    products: the transcribed formula's numbers. An explicit linear-attention form, and
-    gradients, take the whole-map path."""
+    in partial windows or fit in one window along an axis: the transcribed formula's
+    numbers. An explicit linear-attention form, and gradients, take the whole-map path."""
     from mmslab.models.layers.shift_window import ShiftWindowAttention as SWA
     monkeypatch.setattr(SWA, 'chunk_values', values)
-    asked = force_chunk_products(monkeypatch, products)
     calls = count_chunked_calls(monkeypatch)
     torch.manual_seed(7)
     attn = SWA(16, 2, 8, shift=shift, attn_type='sla').double().eval()
@@ -836,8 +819,6 @@ def test_sla_eager_inference_in_chunks_matches_the_padded_formula(monkeypatch, s
         with torch.no_grad(), export_mode(masked_windows=masked + '_chunked'):
             out = attn(x, hw)
         assert calls and all(b % 2 == 0 for b, _ in calls)  # both images in each chunk
-        assert len(asked) == len(calls)
-        asked.clear()
         if values == 1:
             assert all(b == 2 for b, _ in calls)  # one window (of each image) per chunk
         for b in range(2):
@@ -865,41 +846,17 @@ def test_sla_in_chunks_follows_weights_loaded_after_a_call():
 
 @pytest.mark.skipif(not __import__('mmslab.utils.machine', fromlist=['has_bf16']).has_bf16(),
                     reason='this CPU has no bf16 units: bf16 autocast would be emulated')
-@pytest.mark.parametrize('products', ['heads', 'blockdiag'])
-def test_sla_in_chunks_under_bf16_autocast_is_within_bf16_rounding(monkeypatch, products):
+def test_sla_in_chunks_under_bf16_autocast_is_within_bf16_rounding(monkeypatch):
     """bf16 autocast: the chunked path computes in bf16 (as SLA's bf16 inference does) and
     gives a bf16 output within bf16 rounding of the float64 formula, on coherent
-    activations (large kernel sums) and a padded, shifted map, in either product form."""
+    activations (large kernel sums) and a padded, shifted map."""
     calls = count_chunked_calls(monkeypatch)
-    asked = force_chunk_products(monkeypatch, products)
     torch.manual_seed(9)
     attn = ShiftWindowAttention(32, 2, 8, shift=True, attn_type='sla').eval()
     x = torch.randn(1, 12 * 20, 32) * 2 + 1
     with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16), \
             export_mode(masked_windows='compact_chunked'):
         out = attn(x, (12, 20))
-    assert calls and out.dtype == torch.bfloat16 and len(asked) == len(calls)
+    assert calls and out.dtype == torch.bfloat16
     ref = shifted_sla_reference(attn.double(), x[0].double(), (12, 20))
     assert rel_err(out[0].double(), ref) < 2e-2, rel_err(out[0].double(), ref)
-
-
-@pytest.mark.parametrize('heads,form', [(2, 'blockdiag'), (8, 'heads')])
-def test_sla_chunk_products_follow_the_whole_maps_form(monkeypatch, heads, form):
-    """The chunks' products take the form the whole map takes for the kernel's heads
-    (block-diagonal up to BLOCKDIAG_MAX_HEADS, per head above), never a timing: the output
-    is the formula's and the same on every call."""
-    used = []
-    for name in ('_add_heads_split', '_add_heads_blockdiag'):
-        real = getattr(SLA, name)
-        monkeypatch.setattr(SLA, name, lambda self, *a, name=name, real=real:
-                            (used.append(name), real(self, *a))[1])
-    torch.manual_seed(10)
-    attn = ShiftWindowAttention(16, heads, 8, shift=True, attn_type='sla').double().eval()
-    nn.init.normal_(attn.w_msa.positional_encoding, std=0.5)
-    x = torch.randn(1, 12 * 20, 16, dtype=torch.float64)
-    with torch.no_grad(), export_mode(masked_windows='compact_chunked'):
-        out = attn(x, (12, 20))
-        again = attn(x, (12, 20))
-    assert set(used) == {'_add_heads_split' if form == 'heads' else '_add_heads_blockdiag'}
-    ref = shifted_sla_reference(attn, x[0], (12, 20))
-    assert rel_err(out[0], ref) <= 1e-10 and torch.equal(out, again)

@@ -246,10 +246,10 @@ class SLA(Reparameterizable, WindowKernelBase):
         what a ``[2C]`` one costs) and take one in-place ReLU; ``v`` comes out contiguous,
         so the DWC reads it as a channels-last map without a copy; the per-head products
         run on strided per-head views (no transposed copies, a third or a sixth of the
-        block-diagonal form's multiply-adds), numerator and normalizer from one product
-        ``q_h [S_h | z_h]``, or in the block-diagonal form, as the whole map takes them
-        (:func:`~mmslab.models.layers.export_mode.linear_attention_form`), and the quotient
-        is added in place to the DWC's output.
+        block-diagonal form's multiply-adds: per head, a chunk's products are small enough
+        that the block-diagonal form's fewer, larger ones do not make up for them),
+        numerator and normalizer from one product ``q_h [S_h | z_h]``, and the quotient is
+        added in place to the DWC's output.
         ``valid``: ``[B', N]`` (padded slots: any finite token; their outputs are not read)."""
         bw, n, c = x.shape
         wh, ww = window_hw
@@ -266,19 +266,8 @@ class SLA(Reparameterizable, WindowKernelBase):
         z = torch.bmm(keep.unsqueeze(1), k)  # [B', 1, C] (a product: faster than a strided sum)
         out = self._tiled_dwc(v.view(bw, wh, ww, c).permute(0, 3, 1, 2))
         out = out.permute(0, 2, 3, 1).reshape(bw, n, c)  # (a view: the DWC is channels-last)
-        q = qk[..., :c]
-        form = linear_attention_form(self)
-        (self._add_heads_blockdiag if form == 'blockdiag' else self._add_heads_split)(
-            q, k, v, z, out)
+        self._add_heads_split(qk[..., :c], k, v, z, out)
         return out
-
-    def _add_heads_blockdiag(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor,
-                             out: Tensor) -> None:
-        """:meth:`attend_windows`' kernel in the block-diagonal form (three large products),
-        its quotient added to ``out`` ``[B', N, C]`` in place."""
-        bw, n = q.shape[:2]
-        num, den = self._heads_blockdiag(q, k, v, z)
-        out.view(bw, n, self.num_heads, -1).addcdiv_(num, (den + self.eps).unsqueeze(-1))
 
     def _add_heads_split(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor,
                          out: Tensor) -> None:
