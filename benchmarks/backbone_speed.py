@@ -155,13 +155,6 @@ def main(argv=None):
     if first_calls:
         report['compile'] = first_calls
     print(f"\nmachine: {machine_line(report['machine'])}")
-    for shape, choice in report['window_softmax'].items():
-        print(f"  window softmax {shape}: sdpa {choice['sdpa_ms']:.2f} ms, matmul "
-              f"{choice['matmul_ms']:.2f} ms -> {choice['impl']}")
-    for key, choice in report['masked_windows'].items():
-        timed = ', '.join(f"{name[:-3]} {ms:.2f} ms" for name, ms in choice.items()
-                          if name.endswith('_ms'))
-        print(f"  masked windows {key}: {timed} -> {choice['impl']}")
     with open(osp.join(args.out, 'backbone_speed.json'), 'w') as f:
         json.dump(report, f, indent=2)
     plot(results, osp.join(args.out, 'backbone_speed.png'))
