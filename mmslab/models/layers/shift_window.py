@@ -295,7 +295,7 @@ class ShiftWindowAttention(nn.Module):
             # (graphs gather each group by its own index, eager writes its outputs back by it)
             group.update(gather_or_pad=gather[span], gather_any=clamped[span])
         # (the keys _qkv_windows reads, as in _layout)
-        return dict(groups=groups['groups'], gather=clamped, tokens=h * w, identity=False,
+        return dict(groups=groups['groups'], gather=clamped, identity=False,
                     slot=torch.from_numpy(groups['slot']).to(device),
                     pad_slots=torch.from_numpy(groups['pad_slots']).to(device),
                     padded=bool(groups['pad_slots'].size))
@@ -318,9 +318,15 @@ class ShiftWindowAttention(nn.Module):
         if graph:
             weights = kernel.qkv_weights()
         else:
+            # eager: every group's slots in one gather, split into the groups (a split's
+            # backward is one concatenation, where a slice per group would zero-fill a
+            # gradient of all the slots for each)
+            sizes = [g['count'] * g['hw'][0] * g['hw'][1] for g in compact['groups']]
             slots = self._qkv_windows(x, compact)
-        outs, tokens = [], None
-        for group in compact['groups']:
+            slots = slots.split(sizes, dim=1) if isinstance(slots, Tensor) else \
+                list(zip(*(part.split(sizes, dim=1) for part in slots)))
+        outs = []
+        for i, group in enumerate(compact['groups']):
             n = group['hw'][0] * group['hw'][1]
             valid = group['valid'] if masked or not graph else None
             if token_major:
@@ -336,23 +342,13 @@ class ShiftWindowAttention(nn.Module):
             if graph:
                 parts = self._project_slots(x, group['gather_any'], valid, weights)
                 windows = tuple(part.reshape(-1, n, c) for part in parts)
+            elif isinstance(slots[i], Tensor):
+                windows = slots[i].reshape(-1, n, 3 * c)
             else:
-                span = slice(group['start'], group['start'] + group['count'] * n)
-                windows = slots[:, span].reshape(-1, n, 3 * c) \
-                    if isinstance(slots, Tensor) else \
-                    tuple(part[:, span].reshape(-1, n, c) for part in slots)
-            out = kernel.attend(windows, group['count'], group['hw'], valid=valid,
-                                origin=group['origin']).reshape(b, -1, c)
-            if graph:
-                outs.append(out)
-                continue
-            # eager: each group's output copied straight to its tokens (padded slots to a
-            # spare row), one pass where concatenating and gathering back take two
-            if tokens is None:
-                tokens = out.new_empty(b, compact['tokens'] + 1, c)
-            tokens.index_copy_(1, group['gather_or_pad'], out)
-        if not graph:
-            return tokens[:, :-1]
+                windows = tuple(part.reshape(-1, n, c) for part in slots[i])
+            outs.append(kernel.attend(windows, group['count'], group['hw'], valid=valid,
+                                      origin=group['origin']).reshape(b, -1, c))
+        # back to token order: one gather (its backward one scatter into zeros)
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
         return out.index_select(1, compact['slot'])
 
