@@ -5,7 +5,7 @@
 
 1. mmcv's CUDA ops (nms, roi_align, sigmoid_focal_loss) against their CPU results, and
    ``tests/test_cuda.py`` (the backbones on CUDA: mmdet equivalence, fp16 AMP steps, exact
-   fusion, SLA against its formula);
+   fusion, SLA against its formula, the fusion check with TF32 on);
 2. the demo SLAB-Swin-T Mask R-CNN trained with ``--amp`` on CUDA (``tools/dist_train.sh``
    with 2 processes when 2+ GPUs), validated with the fused model through
    ``ReparamEvalHook`` (its latency.json);
