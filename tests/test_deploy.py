@@ -799,8 +799,8 @@ def quantized_token_mlp(tmp_path, extra: bool = False):
     with torch.no_grad():
         ref = net(torch.from_numpy(image)).numpy()
 
-    def run(name):
-        q = quantize.quantize_onnxruntime(path, str(tmp_path / name), calib)
+    def run(name, **kwargs):
+        q = quantize.quantize_onnxruntime(path, str(tmp_path / name), calib, **kwargs)
         out = ort.InferenceSession(q, providers=['CPUExecutionProvider']).run(
             None, {'image': image})[0]
         return onnx.load(q).graph, out, ref
@@ -878,7 +878,14 @@ def test_onnxruntime_int8_residual_reads_the_float_stream(tmp_path, monkeypatch)
     assert any(producer[i].op_type == 'DequantizeLinear' for n in graph.node
                if n.op_type == 'Add' for i in n.input if i in producer)
     assert relative_rms(out, ref) < relative_rms(rounded_out, ref) < 0.02
-
+    # graph_passes=False: the quantizer's file as it wrote it, the same numbers as without
+    # this pass (and the other, which changes no number)
+    monkeypatch.undo()
+    graph, plain_out, _ = run('plain.onnx', graph_passes=False)
+    assert np.array_equal(plain_out, rounded_out)
+    producer = {o: n for n in graph.node for o in n.output}
+    assert any(producer[i].op_type == 'DequantizeLinear' for n in graph.node
+               if n.op_type == 'Add' for i in n.input if i in producer)
 
 
 def test_onnxruntime_int8_moves_windows_as_8_bit_data(tmp_path, monkeypatch):

@@ -24,8 +24,8 @@ WEIGHT_OPS = ('MatMul', 'Gemm', 'Conv')  # the op types ORT INT8 quantizes (with
 FLOAT_OUTPUT_OPS = ('MatMul', 'Gemm')  # ... of which these keep a float output
 
 
-def quantize_onnxruntime(onnx_path: str, out_path: str,
-                         calibration: Sequence[np.ndarray]) -> str:
+def quantize_onnxruntime(onnx_path: str, out_path: str, calibration: Sequence[np.ndarray],
+                         graph_passes: bool = True) -> str:
     """Static INT8 quantization (QDQ, per-channel int8 weights, uint8 activations calibrated
     by MinMax on ``calibration`` images). u8 activations x s8 weights is the combination
     onnxruntime's x86 kernels are fastest with; s8 x s8 ran slower than fp32 here.
@@ -44,7 +44,11 @@ def quantize_onnxruntime(onnx_path: str, out_path: str,
     ``MatMulIntegerToFloat`` (dequantizing in the kernel's epilogue) only where the CPU's
     u8 x s8 products cannot saturate (VNNI, AMX) and computes in float otherwise, so the
     INT8 file is exact on every x86 CPU. A quantized output would cost a ``QLinearMatMul``
-    plus a ``DequantizeLinear`` pass before the float consumers and one rounding more."""
+    plus a ``DequantizeLinear`` pass before the float consumers and one rounding more.
+
+    ``graph_passes``: then :func:`read_float_where_float` and :func:`quantize_before_moves`
+    rewrite the quantizer's file (measured with onnxruntime 1.32: docs/benchmarks.md);
+    False keeps it as onnxruntime's quantizer wrote it."""
     from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType,
                                           quantize_static)
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -73,11 +77,12 @@ def quantize_onnxruntime(onnx_path: str, out_path: str,
     finally:
         if osp.exists(prepared):
             os.remove(prepared)
-    import onnx
-    model = onnx.load(out_path)
-    read_float_where_float(model)
-    quantize_before_moves(model)
-    onnx.save(model, out_path)
+    if graph_passes:
+        import onnx
+        model = onnx.load(out_path)
+        read_float_where_float(model)
+        quantize_before_moves(model)
+        onnx.save(model, out_path)
     return out_path
 
 
