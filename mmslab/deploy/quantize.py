@@ -241,7 +241,6 @@ def quantize_openvino(xml_path: str, out_path: str, calibration: Sequence[np.nda
         quantized = nncf.quantize(model, dataset, model_type=nncf.ModelType.TRANSFORMER,
                                   subset_size=len(calibration), ignored_scope=ignored)
     check_quantizer_ranges(quantized)
-    quantize_before_gathers(quantized)
     ov.save_model(quantized, out_path)
     return out_path
 
@@ -252,91 +251,6 @@ def _constant_node(output):
     while node.get_type_name() == 'Convert':
         node = node.input_value(0).get_node()
     return node
-
-
-def _range(quantizer) -> List[np.ndarray]:
-    """A ``FakeQuantize``'s input low / high, output low / high constants (float32)."""
-    return [_constant_node(quantizer.input_value(i)).get_data().astype(np.float32)
-            for i in range(1, 5)]
-
-
-def _per_channel(values: np.ndarray, channels: int) -> bool:
-    """Whether ``values`` broadcast as one value, or one per channel of the last axis."""
-    return values.size == 1 or (values.shape[-1] == channels and values.size == channels)
-
-
-def _only_reader(output):
-    """The one input reading ``output``, or None."""
-    readers = list(output.get_target_inputs())
-    return readers[0] if len(readers) == 1 else None
-
-
-def quantize_before_gathers(model) -> int:
-    """Quantize the data of a token ``Gather`` instead of its output, in place, where the
-    gather is all that reads the data; returns how many gathers now move 8-bit values.
-
-    NNCF quantizes a weight layer's input where the layer reads it: after the window
-    attention's gathers (the window partition, and the way back to token order), whose
-    float32 rows are four times the bytes of 8-bit ones, OpenVINO's gather copies them. A
-    ``Gather`` along the tokens (axis 1 of ``[B, T, C]``), then reshapes that keep the
-    channels last, then a per-channel smooth-quant ``Multiply`` and a per-tensor or per-
-    channel ``FakeQuantize``, becomes the multiply and quantizer on the gather's data and the
-    gather and reshapes after them: rounding commutes with moving elements, so the outputs
-    are the same. Only where the data has no other reader (the window slots on their way
-    back, the tokens with the padded token appended), so no tensor is quantized twice and the
-    quantizer reads at most the padded slots the gather drops (the slots of the control's
-    padded windows: up to 1.2x the tokens). SLA's groups of windows gather from the token
-    stream that the residual addition also reads: not changed. The outputs are identical."""
-    ov = import_openvino()
-    moved = 0
-    for fq in list(model.get_ordered_ops()):
-        if fq.get_type_name() != 'FakeQuantize':
-            continue
-        chain, node = [], fq.input_value(0).get_node()  # the operators above it, upwards
-        while node.get_type_name() in ('Reshape', 'Multiply') and \
-                _only_reader(node.output(0)) is not None:
-            chain.append(node)
-            node = node.input_value(0).get_node()
-        gather = node
-        if gather.get_type_name() != 'Gather' or _only_reader(gather.output(0)) is None or \
-                _only_reader(gather.input_value(0)) is None:
-            continue
-        data = gather.input_value(0).get_partial_shape()
-        axis = _constant_node(gather.input_value(2))
-        if data.rank.is_dynamic or data.rank.get_length() != 3 or data[2].is_dynamic or \
-                axis.get_type_name() != 'Constant' or int(axis.get_data()) not in (1, -2) or \
-                gather.get_attributes().get('batch_dims', 0) != 0:
-            continue
-        channels = data[2].get_length()
-        multiplies = [n for n in chain if n.get_type_name() == 'Multiply']
-        reshapes = [n for n in chain if n.get_type_name() == 'Reshape']
-        if len(multiplies) > 1 or any(
-                n.get_output_partial_shape(0).rank.is_dynamic or
-                n.get_output_partial_shape(0)[-1] != data[2] for n in reshapes):
-            continue
-        scale = None
-        if multiplies:
-            factor = _constant_node(multiplies[0].input_value(1))
-            if factor.get_type_name() != 'Constant' or \
-                    not _per_channel(factor.get_data(), channels):
-                continue
-            scale = factor.get_data().astype(np.float32).reshape(1, 1, -1)
-        ranges = _range(fq)
-        if not all(_per_channel(r, channels) for r in ranges):
-            continue
-        x = gather.input_value(0)
-        if scale is not None:
-            x = ov.opset13.multiply(x, ov.op.Constant(np.ascontiguousarray(scale))).output(0)
-        limits = [ov.op.Constant(np.ascontiguousarray(r.reshape(1, 1, -1) if r.size > 1 else r))
-                  for r in ranges]
-        x = ov.opset13.fake_quantize(x, *limits, fq.get_attributes()['levels']).output(0)
-        x = ov.opset13.gather(x, gather.input_value(1), gather.input_value(2)).output(0)
-        for reshape in reversed(reshapes):  # in their order from the gather down
-            x = ov.opset13.reshape(x, reshape.input_value(1),
-                                   reshape.get_attributes()['special_zero']).output(0)
-        fq.output(0).replace(x)
-        moved += 1
-    return moved
 
 
 def check_quantizer_ranges(model) -> int:
