@@ -28,7 +28,7 @@ images (latency does not depend on the calibration data; accuracy is measured by
 tools/test.py --backend ... --int8). Each runtime's graph has its own head layout
 (``export_runtime_graphs``; recorded under ``runtime_head_layouts``, and in each runtime
 row's ``graph`` with SLA's product forms), and onnxruntime
-sessions flush denormal floats on every thread, as the runtime layer opens them. Batch 1.
+sessions are opened as the runtime layer opens them. Batch 1.
 
 Models are interleaved round by round within each runtime and precision (``--rotation
 runtime``, the default): a process serving a model runs one runtime, and a runtime's call

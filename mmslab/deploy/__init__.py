@@ -3,8 +3,7 @@ torch-free predictor (``python -m mmslab.deploy.predict``).
 
 * ``export_info``: ``export.json``, its one writer and validator (standard library only);
 * ``runtimes``: the runtime layer, opening an exported model in onnxruntime / OpenVINO at a
-  precision (numpy only at import; the predictor's and ``tools/test.py --backend``'s), with
-  ``denormals`` (denormal floats flushed on the thread calling onnxruntime);
+  precision (numpy only at import; the predictor's and ``tools/test.py --backend``'s);
 * ``onnx_export`` (PyTorch) and ``quantize`` (calibration and INT8, needing the model): the
   export side, imported on first use (PEP 562 module ``__getattr__``), so that ``runtimes``
   and ``predict`` import without PyTorch. ``from mmslab.deploy import export_onnx`` works as

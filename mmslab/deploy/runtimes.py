@@ -9,9 +9,7 @@ benchmarks):
 
 * onnxruntime (:func:`ort_session_options`): CPU execution provider, every graph
   optimization (``ORT_ENABLE_ALL``), ``threads`` intra-op threads and one inter-op thread
-  (0: onnxruntime's defaults), denormal floats flushed to zero on every thread that computes
-  (``flush_denormals``, :mod:`mmslab.deploy.denormals`: masked softmax scores are denormal
-  in onnxruntime's exponential), worker threads that stop spinning when a run returns
+  (0: onnxruntime's defaults), worker threads that stop spinning when a run returns
   (:data:`ORT_SPIN_STOP`);
 * OpenVINO (:func:`openvino_config`): ``Core.read_model`` then ``compile_model`` on the CPU
   with the latency hint, ``INFERENCE_PRECISION_HINT`` ``f32`` (on CPUs with bf16 units
@@ -38,7 +36,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .denormals import flushed_denormals
 from .export_info import EXPORT_HINT
 
 RUNTIMES = ('onnxruntime', 'openvino')
@@ -138,18 +135,12 @@ def artifact_path(export_dir: str, runtime: str, precision: str) -> str:
 ORT_SPIN_STOP = ('session.force_spinning_stop', '1')
 
 
-def ort_session_options(threads: int = 0, flush_denormals: bool = True):
-    """The ``onnxruntime.SessionOptions`` of every session (``threads`` 0: its defaults).
-
-    ``flush_denormals`` sets onnxruntime's own option, which covers its worker threads; the
-    thread calling ``run`` needs :func:`~mmslab.deploy.denormals.flushed_denormals` as well
-    (:class:`OnnxRuntimeModel` does both)."""
+def ort_session_options(threads: int = 0):
+    """The ``onnxruntime.SessionOptions`` of every session (``threads`` 0: its defaults)."""
     import onnxruntime as ort
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.add_session_config_entry(*ORT_SPIN_STOP)
-    if flush_denormals:
-        opts.add_session_config_entry('session.set_denormal_as_zero', '1')
     if threads:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
@@ -195,19 +186,12 @@ class RuntimeModel:
 
 
 class OnnxRuntimeModel(RuntimeModel):
-    """``flush_denormals``: denormal floats are zero on onnxruntime's worker threads and, for
-    the duration of each run, on the calling thread (see :mod:`mmslab.deploy.denormals`)."""
 
-    def __init__(self, path: str, threads: int = 0, flush_denormals: bool = True):
+    def __init__(self, path: str, threads: int = 0):
         import onnxruntime as ort
         super().__init__('onnxruntime', path, threads)
-        self.flush_denormals = flush_denormals
-        # inside the block too: onnxruntime may set the flags on the thread creating the
-        # session, which gets its previous state back afterwards
-        with flushed_denormals(flush_denormals):
-            self.session = ort.InferenceSession(
-                path, ort_session_options(threads, flush_denormals),
-                providers=['CPUExecutionProvider'])
+        self.session = ort.InferenceSession(path, ort_session_options(threads),
+                                            providers=['CPUExecutionProvider'])
         inputs = self.session.get_inputs()
         _one_input(path, len(inputs))
         self.input_name = inputs[0].name
@@ -216,8 +200,7 @@ class OnnxRuntimeModel(RuntimeModel):
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def _run(self, names: Optional[List[str]], image: np.ndarray) -> List[np.ndarray]:
-        with flushed_denormals(self.flush_denormals):
-            return self.session.run(names, {self.input_name: np.ascontiguousarray(image)})
+        return self.session.run(names, {self.input_name: np.ascontiguousarray(image)})
 
     def __call__(self, image: np.ndarray) -> List[np.ndarray]:
         return self._run(None, image)
