@@ -41,7 +41,7 @@ These choices change the form a layer takes (never its numbers):
   gathers its windows token-major and takes ``heads`` (``SLA.attend_token_major``: the
   permutations fold into onnxruntime's products, no transposes either). The same numbers
   every way. Under ``auto``, eager CPU inference also runs window SLA in chunks of
-  windows (``qkv``, the products in the same form, and ``proj`` per chunk; see
+  windows (``qkv``, per-head products and ``proj`` per chunk; see
   ``masked_windows``); an explicit form keeps the whole-map computation in that form.
 * ``window_softmax`` (``auto`` | ``sdpa`` | ``matmul``): how eager window softmax attention
   is computed; ``auto``: ``sdpa`` (PyTorch's fused attention, as in training), ``matmul``
