@@ -48,16 +48,16 @@ These choices change the form a layer takes (never its numbers):
   in exported and compiled graphs
   (:func:`~mmslab.models.layers.window_attention.choose_window_softmax`).
 * ``masked_windows`` (``auto`` | ``compact`` | ``padded`` | either ``_chunked``): how eager
-  inference computes the windows of a kernel that masks padding (SLA, BiNorm) on a map the
+  runs compute the windows of a kernel that masks padding (SLA, BiNorm) on a map the
   windows do not tile:
   ``compact`` crops them to their valid spans, one kernel call per group of equal spans (no
   padded slot computed: least arithmetic), ``padded`` runs every padded window in one call
   with the padded slots masked (fewest kernel launches). Either, suffixed ``_chunked``
   (``compact_chunked``), in chunks of windows small enough to stay in cache, where the
   kernel has that form (SLA) in eager CPU inference, and the whole map elsewhere. ``auto``:
-  ``compact``, chunked where chunks apply
-  (:func:`~mmslab.models.layers.shift_window.choose_masked_windows`); traced graphs take
-  ``compact``. The same numbers in every form.
+  ``compact`` on the CPU, chunked where chunks apply, ``padded`` on a GPU, in training and
+  inference alike (:func:`~mmslab.models.layers.shift_window.choose_masked_windows`);
+  traced graphs take ``compact``. The same numbers in every form.
 
 No choice is made by timing: the same input gives the same output in every run.
 Use :func:`export_mode` to set any of them for a ``with`` block; :func:`current_export_mode`

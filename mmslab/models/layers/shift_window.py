@@ -322,9 +322,7 @@ class ShiftWindowAttention(nn.Module):
             # backward is one concatenation, where a slice per group would zero-fill a
             # gradient of all the slots for each)
             sizes = [g['count'] * g['hw'][0] * g['hw'][1] for g in compact['groups']]
-            slots = self._qkv_windows(x, compact)
-            slots = slots.split(sizes, dim=1) if isinstance(slots, Tensor) else \
-                list(zip(*(part.split(sizes, dim=1) for part in slots)))
+            slots = self._qkv_windows(x, compact).split(sizes, dim=1)
         outs = []
         for i, group in enumerate(compact['groups']):
             n = group['hw'][0] * group['hw'][1]
@@ -342,10 +340,8 @@ class ShiftWindowAttention(nn.Module):
             if graph:
                 parts = self._project_slots(x, group['gather_any'], valid, weights)
                 windows = tuple(part.reshape(-1, n, c) for part in parts)
-            elif isinstance(slots[i], Tensor):
-                windows = slots[i].reshape(-1, n, 3 * c)
             else:
-                windows = tuple(part.reshape(-1, n, c) for part in slots[i])
+                windows = slots[i].reshape(-1, n, 3 * c)
             outs.append(kernel.attend(windows, group['count'], group['hw'], valid=valid,
                                       origin=group['origin']).reshape(b, -1, c))
         # back to token order: one gather (its backward one scatter into zeros)

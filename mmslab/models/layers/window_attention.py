@@ -336,7 +336,7 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
                 q, k, v, attn_mask=mask, scale=self.scale,
                 dropout_p=self.attn_drop if self.training else 0.0)
         else:
-            impl = choose_window_softmax(q, k, v, mask, self.scale)
+            impl = choose_window_softmax()
             out = WINDOW_SOFTMAX_IMPLS[impl](q, k, v, mask, self.scale)
         return out.transpose(1, 2)  # [B', N, heads, d] view; the caller gathers it
 
@@ -411,7 +411,7 @@ def _softmax_matmul(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float)
 WINDOW_SOFTMAX_IMPLS = {'sdpa': _softmax_sdpa, 'matmul': _softmax_matmul}
 
 
-def choose_window_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> str:
+def choose_window_softmax() -> str:
     """``export_mode(window_softmax='sdpa'|'matmul')`` where one is set; otherwise ``sdpa``,
     PyTorch's fused attention, which training uses too (its backward is fused); ``matmul``
     (plain ops every runtime fuses its own way) while exporting or compiling. Never timed:
