@@ -27,7 +27,6 @@ import mmslab
 from mmslab.benchmark import (add_device_arguments, autocast_call, check_device_arguments,
                               first_call_timed, measure_interleaved, move_to, parse_shape,
                               summarize, trained_like_parameters)
-from mmslab.models.layers.export_mode import current_export_mode
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
 from mmslab.utils.machine import machine_info, machine_line
 from mmslab.utils.plotting import grouped_bars, saved_figure
@@ -150,8 +149,7 @@ def main(argv=None):
     report = dict(device=str(device), timing=timing_method(device),
                   machine=machine_info(device), threads=args.threads, repeat=args.repeat,
                   precisions=args.precisions, batch_sizes=args.batch_size, torch=torch.__version__,
-                  settings=settings, results=results, ratios=ratios,
-                  export_mode=current_export_mode())
+                  settings=settings, results=results, ratios=ratios)
     if first_calls:
         report['compile'] = first_calls
     print(f"\nmachine: {machine_line(report['machine'])}")

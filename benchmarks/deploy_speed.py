@@ -64,8 +64,8 @@ from mmslab.deploy.onnx_export import (DEFAULT_ATTENTION_LAYOUT as DEFAULT_ATTEN
                                        export_runtime_graphs)
 from mmslab.deploy.quantize import quantize_onnxruntime, quantize_openvino
 from mmslab.deploy.runtimes import artifact_path, open_model
-from mmslab.models.layers.export_mode import RUNTIME_HEAD_LAYOUTS, current_export_mode
-from mmslab.models.layers.window_attention import ATTENTION_LAYOUTS
+from mmslab.deploy.window_graphs import RUNTIME_HEAD_LAYOUTS
+from mmslab.deploy.window_graphs import ATTENTION_LAYOUTS
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
 from mmslab.utils.machine import machine_info, machine_line
 from mmslab.utils.plotting import grouped_bars, saved_figure
@@ -183,7 +183,7 @@ def build_upernet(config: str, fuse: bool, cfg_options=None) -> torch.nn.Module:
 def deploy_forms(model, part, shape, runtimes, workdir, threads, calib_images,
                  dynamic: bool = True, attention: str = DEFAULT_ATTENTION):
     """``({runtime: callable(image)}, {runtime name: form of its graph})`` for one model and
-    input shape; the form: the head layout and SLA's product forms of that runtime's graph
+    input shape; the form: the head layout of that runtime's graph
     (``export_runtime_graphs``' report)."""
     os.makedirs(workdir, exist_ok=True)
     onnx_path = osp.join(workdir, 'model.onnx')
@@ -193,8 +193,7 @@ def deploy_forms(model, part, shape, runtimes, workdir, threads, calib_images,
     if used:  # each runtime's graph in its own head layout
         _, report = export_runtime_graphs(model, part, shape, workdir, used, dynamic=dynamic,
                                           attention=attention)
-        graph_forms = {r: dict(head_layout=report['head_layout'][r],
-                               linear_attention=report['linear_attention'][r]) for r in used}
+        graph_forms = {r: dict(head_layout=report['head_layout'][r]) for r in used}
     calib = [np.random.RandomState(i).randn(1, 3, *shape).astype(np.float32)
              for i in range(calib_images)]
     forms = {}
@@ -415,7 +414,6 @@ def measure_all(args, tmp) -> dict:
         for t in targets(res, args.runtimes, kind, shape=shape_text):
             checks.append(dict(kind=kind, shape=shape_text, **t))
         print_table(rows, kind, shape_text, sorted({r for _, r in res}, key=runtime_order))
-        report['export_mode'] = current_export_mode()  # the forms the layers took
         report['runtime_head_layouts'] = dict(RUNTIME_HEAD_LAYOUTS)
         save_report(report, args.out)
     return report

@@ -51,8 +51,8 @@ def attention_scaling(tokens, repeat, max_softmax_s, bar):
         q, k, v = qkv.view(1, n, 3, heads, c // heads).permute(2, 0, 3, 1, 4)
         sla.positional_encoding = torch.nn.Parameter(torch.zeros(1, n, c))
         sla.window_size = (side, side)
-        fns = {'SLA': lambda: sla.attend(qkv, 1, (side, side)),
-               'BiNorm': lambda: binorm.attend(qkv, 1, (side, side))}
+        fns = {'SLA': lambda: sla.attend(qkv, (side, side)),
+               'BiNorm': lambda: binorm.attend(qkv, (side, side))}
         est = 2.0 * n * n * c / 5e10  # softmax: 2 N^2 C flops at ~50 GFLOP/s (fused kernel)
         if est <= max_softmax_s:
             fns['softmax'] = lambda: F.scaled_dot_product_attention(q, k, v)

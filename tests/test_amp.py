@@ -607,12 +607,16 @@ def test_attention_under_autocast_is_close_to_fp32(build, kind, dtype):
 def window_kernel_case(kind):
     """``(kernel, attend arguments)``: the kernel of a shifted 7 x 7 window attention on a
     15 x 15 map, with the shift mask and the padding of that layout."""
+    from mmslab.models.layers.shift_mask import shift_mask_by_type
+    from mmslab.models.layers.shift_window import padded_windows
     swa = window_attention(kind)
-    lay = swa._layout(15, 15, torch.device('cpu'))
-    n = lay['wh'] * lay['ww']
-    kwargs = dict(num_windows=lay['num_windows'], window_hw=(lay['wh'], lay['ww']),
-                  shift_mask=lay['shift_mask'], valid=lay['valid'])
-    return swa.w_msa, (2 * lay['num_windows'], n), kwargs
+    lay = padded_windows(15, 15, 7, 7, 3)
+    kwargs = dict(window_hw=(7, 7))
+    if swa.w_msa.uses_shift_mask:
+        kwargs['shift_mask'] = shift_mask_by_type(21, 21, 7, 7, 3)
+    if swa.w_msa.masks_padding:
+        kwargs['valid'] = lay['valid']
+    return swa.w_msa, (2 * lay['num_windows'], 49), kwargs
 
 
 @pytest.mark.parametrize('dtype', AUTOCAST_DTYPES)
@@ -625,7 +629,7 @@ def test_attention_kernels_under_autocast_match_fp32_on_the_same_inputs(kind, dt
     torch.manual_seed(0)
     if kind == 'global_sla':
         kernel = pvt_attention(kind).kernel  # SLA over the whole 15 x 15 map
-        shape, kwargs = (2, 15 * 15), dict(num_windows=1, window_hw=(15, 15))
+        shape, kwargs = (2, 15 * 15), dict(window_hw=(15, 15))
     else:
         kernel, shape, kwargs = window_kernel_case(kind)
     kernel = randomize_weights(kernel).train()
@@ -674,9 +678,9 @@ def test_linear_attention_sums_over_a_56x56_window_do_not_overflow_fp16(kind):
     k, v = qkv[0, :, c:2 * c], qkv[0, :, 2 * c:]
     assert (k.relu().T @ v).min() > 65504  # every entry of K^T V overflows float16
     with torch.no_grad():
-        ref = kernel.attend(qkv, 1, (56, 56)).reshape(1, n, c)
+        ref = kernel.attend(qkv, (56, 56)).reshape(1, n, c)
         with cpu_autocast(torch.float16):
-            out = kernel.attend(qkv.half(), 1, (56, 56)).reshape(1, n, c)
+            out = kernel.attend(qkv.half(), (56, 56)).reshape(1, n, c)
     assert out.dtype == torch.float16
     assert torch.isfinite(out).all()
     assert rel_err(out.float(), ref) < OUT_TOL[torch.float16]
@@ -811,9 +815,9 @@ def test_sla_bf16_inference_sums_in_bf16_within_rounding():
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(1, n, 3 * c, generator=g) * 2 + 5
     with torch.no_grad():
-        ref = kernel.double().attend(qkv.double(), 1, (56, 56)).reshape(1, n, c)
+        ref = kernel.double().attend(qkv.double(), (56, 56)).reshape(1, n, c)
         kernel.float()
         with cpu_autocast(torch.bfloat16):
-            out = kernel.attend(qkv.bfloat16(), 1, (56, 56)).reshape(1, n, c)
+            out = kernel.attend(qkv.bfloat16(), (56, 56)).reshape(1, n, c)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     assert rel_err(out.double(), ref) < OUT_TOL[torch.bfloat16], rel_err(out.double(), ref)

@@ -14,8 +14,9 @@ import torch
 import mmslab
 from conftest import randomize_weights
 from mmslab.deploy import export_onnx
-from mmslab.models.layers.export_mode import export_mode
-from mmslab.models.layers.window_attention import WindowMSA, attention_layout_report
+from mmslab.deploy.window_graphs import (attention_layout_report, check_attention_layout,
+                                         padded_token)
+from mmslab.models.layers.window_attention import WindowMSA
 from test_swin_backbones import build_preset
 
 
@@ -49,8 +50,9 @@ def test_split_layout_matches_unfused_model_and_has_the_multi_head_pattern(dynam
     paths = {}
     for layout in ('packed', 'split'):
         paths[layout] = str(tmp_path / f'{layout}.onnx')
+        # (OpenVINO's graph: the window-major heads of the standard multi-head pattern)
         export_onnx(model, 'backbone', (75, 106), paths[layout], dynamic=dynamic,
-                    attention=layout)
+                    attention=layout, runtime='openvino')
         for x, ref in zip(inputs, refs):
             for r, o in zip(ref, run_onnx(paths[layout], x)):
                 assert np.abs(o - r).max() / np.abs(r).max() < 1e-4
@@ -73,7 +75,7 @@ def test_split_token_pad_is_the_value_padding_has_after_qkv():
     kernels = [m for m in model.modules() if isinstance(m, WindowMSA)]
     assert kernels and all(k.qkv_pad is not None for k in kernels)  # folded norms
     for k in kernels:
-        token = k.padded_token()
+        token = padded_token(k)
         with torch.no_grad():
             after_qkv = k.qkv(token)
         assert torch.allclose(after_qkv, k.qkv_pad, atol=1e-5, rtol=1e-4)
@@ -90,44 +92,43 @@ def test_kernel_without_a_padding_token_stays_packed_and_exact(tmp_path):
         kernel.qkv.weight[:, 0] = 0.0
         kernel.qkv_pad.add_(torch.linspace(-1.0, 1.0, kernel.qkv_pad.numel()))
         refs = [[o.numpy() for o in model(x)] for x in inputs]
-    assert kernel.padded_token() is None
+    assert padded_token(kernel) is None
     report = attention_layout_report(model, 'split')
     total = sum(isinstance(m, WindowMSA) for m in model.modules())
     assert report == dict(layout='split', split=total - 1, packed=1, mmdet_window_msa=0,
-                          linear_attention=dict(heads=0, blockdiag=0),
-                          linear_windows=dict(form='cropped', groups='runtime',
-                                              kernels=0))
+                          cropped=0)
     path = str(tmp_path / 'split.onnx')
-    export_onnx(model, 'backbone', (75, 106), path, dynamic=True, attention='split')
+    export_onnx(model, 'backbone', (75, 106), path, dynamic=True, attention='split',
+                runtime='openvino')
     for r, o in zip(refs[0], run_onnx(path, inputs[0])):
         assert np.abs(o - r).max() / np.abs(r).max() < 1e-4
     packed = str(tmp_path / 'packed.onnx')
-    export_onnx(model, 'backbone', (75, 106), packed, dynamic=True, attention='packed')
+    export_onnx(model, 'backbone', (75, 106), packed, dynamic=True, attention='packed',
+                runtime='openvino')
     assert sum(len(p) == 5 for p in transposes(packed)) - \
         sum(len(p) == 5 for p in transposes(path)) == total - 1
 
 
-def test_linear_attention_kernels_report_packed():
+def test_linear_attention_kernels_report_cropped():
+    """SLA's windows are cropped to their valid tokens (no split form: padding is masked);
+    the softmax blocks take the split form."""
+    from mmslab.models.layers.shift_window import ShiftWindowAttention
     model = build_preset('SLABSwin')
     report = attention_layout_report(model, 'split')
-    kernels = [m for m in model.modules() if hasattr(m, 'attends_tokens')]
-    assert report['packed'] == sum(not k.attends_tokens for k in kernels) > 0
-    assert report['split'] == sum(k.attends_tokens for k in kernels) > 0
-    # SLA's windows: cropped into runtime-sized groups in a free-size graph, grouped by span
-    # in a fixed-size one
-    sla = sum(type(k).__name__ == 'SLA' for k in kernels)
-    assert report['linear_windows'] == dict(form='cropped', groups='runtime', kernels=sla)
-    assert sla > 0
-    assert attention_layout_report(model, 'split', dynamic=False)['linear_windows'] == dict(
-        form='cropped', groups='span', kernels=sla)
+    blocks = [m.w_msa for m in model.modules() if isinstance(m, ShiftWindowAttention)]
+    assert report['cropped'] == sum(k.masks_padding for k in blocks) > 0
+    assert report['split'] == sum(not k.masks_padding for k in blocks) > 0
+    assert attention_layout_report(model, 'packed')['packed'] == report['split']
 
 
-def test_unknown_layout_names_the_choices():
+def test_unknown_layout_names_the_choices(tmp_path):
     with pytest.raises(ValueError, match="valid: \\('packed', 'split'\\)"):
-        with export_mode(layout='fused'):
-            pass
+        check_attention_layout('fused')
     with pytest.raises(ValueError, match='packed'):
         attention_layout_report(build_preset('RePaSwin'), 'mha')
+    with pytest.raises(ValueError, match='packed'):
+        export_onnx(build_preset('RePaSwin').eval(), 'backbone', (32, 32),
+                    str(tmp_path / 'x.onnx'), attention='mha')
 
 
 def test_token_major_heads_fold_into_onnxruntimes_products_and_openvino_keeps_its_own(
@@ -179,8 +180,8 @@ def test_token_major_sla_windows_fold_into_onnxruntimes_products(tmp_path):
     """Window SLA in onnxruntime's (token-major) graph: windows gathered token-major, the
     per-head products with no transpose left of them (``FusedMatMul`` with ``transBatch``), at
     every input size equal to the unfused model (several heads, padded and cropped windows,
-    shifted and not); OpenVINO's graph keeps the block-diagonal form. export.json's report
-    says which form each runtime's graph has."""
+    shifted and not); OpenVINO's graph keeps the model's form. export.json's report says
+    which head layout each runtime's graph has."""
     from mmslab.deploy.onnx_export import export_runtime_graphs
     from mmslab.deploy.runtimes import open_model
     from mmslab.models.layers import SLA
@@ -198,8 +199,6 @@ def test_token_major_sla_windows_fold_into_onnxruntimes_products(tmp_path):
                                       ['onnxruntime', 'openvino'], dynamic=True)
     sla = sum(isinstance(m, SLA) for m in model.modules())
     assert report['head_layout'] == dict(onnxruntime='token_major', openvino='window_major')
-    assert report['linear_attention'] == dict(onnxruntime=dict(heads=sla, blockdiag=0),
-                                              openvino=dict(heads=0, blockdiag=sla))
     path = str(tmp_path / 'model.onnx')
     for runtime, model_path in (('onnxruntime', path),
                                 ('openvino', str(tmp_path / 'openvino' / 'model.xml'))):
@@ -247,9 +246,3 @@ def transposes_in_ir(xml_path):
             if source.get_type_name() == 'Constant':
                 perms.append(tuple(int(v) for v in source.get_vector()))
     return perms
-
-
-def test_unknown_head_layout_names_the_choices():
-    with pytest.raises(ValueError, match="valid: \\('window_major', 'token_major'\\)"):
-        with export_mode(head_layout='heads_first'):
-            pass

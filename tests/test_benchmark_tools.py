@@ -39,10 +39,8 @@ def test_benchmark_tool_writes_json_and_plot(tiny_config, tmp_path):
     assert all(r['median_ms'] > 0 and r['repeats'] == 2 for r in saved['results'])
     assert len(saved['ratios']) == 2 * 2 * 2  # 2 other variants x 2 parts x 2 shapes
     assert osp.getsize(tmp_path / 'bench' / 'benchmark.png') > 1000
-    # the CPU and the layers' settings are recorded
+    # the CPU is recorded
     assert saved['machine']['cpu'] and saved['machine']['blas']
-    assert saved['export_mode']['window_softmax'] == 'auto'
-    assert saved['export_mode']['masked_windows'] == 'auto'
 
 
 def test_benchmark_tool_times_compiled_fused_backbone_next_to_eager(tiny_config, tmp_path):

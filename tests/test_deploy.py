@@ -1004,7 +1004,7 @@ def test_openvino_int8_runs_the_linear_attention_key_value_product_in_int8(tmp_p
     model.eval()
     shape = (64, 72)  # stage 1: 16 x 18 tokens, windows of 8: cropped and padded groups
     onnx_path = str(tmp_path / 'slab.onnx')
-    export_onnx(model, 'backbone', shape, onnx_path, dynamic=True)
+    export_onnx(model, 'backbone', shape, onnx_path, dynamic=True, runtime='openvino')
     xml = convert_to_openvino(onnx_path, str(tmp_path / 'ov'))
     calibration = [np.random.RandomState(i).randn(1, 3, *shape).astype(np.float32)
                    for i in range(2)]

@@ -15,8 +15,7 @@ import torch
 import mmslab
 from conftest import randomize_weights
 from mmslab.deploy import export_onnx
-from mmslab.deploy.mmdet_swin import dynamic_mmdet_swin
-from mmslab.models.layers import export_mode
+from mmslab.deploy.rewriters import rewritten
 from test_pvt_backbones import TINY as PVT_TINY
 from test_swin_backbones import PRESETS, build_preset
 
@@ -80,27 +79,11 @@ def test_dynamic_sla_graph_in_openvino_compiled_for_each_size(tmp_path):
         refs = [[o.numpy() for o in model(x)] for x in inputs]
     mmslab.reparameterize(model)
     path = str(tmp_path / 'backbone.onnx')
-    export_onnx(model, 'backbone', TRACE, path, dynamic=True)
+    export_onnx(model, 'backbone', TRACE, path, dynamic=True, runtime='openvino')
     ov_model = open_model(convert_to_openvino(path, str(tmp_path / 'openvino')), 'openvino')
     for x, ref in zip(inputs, refs):
         assert_close(ref, ov_model(x.numpy()), 1e-4)
     assert ov_model.compiles == len(set(SIZES + [(16, 24)]))
-
-
-@pytest.mark.slow  # the fast lane's dynamic exports trace this path
-@pytest.mark.parametrize('name', ['SLABSwin', 'BiNormSwin', 'PRepBNSwin'])
-def test_symbolic_eager_path_matches_unfused_model(name):
-    """The shape-generic path in eager mode (what tracing records) at every size, including
-    maps that fit in one window (SLA / BiNorm crop the window there, decided in the graph)."""
-    torch.manual_seed(0)
-    model = randomize_weights(build_preset(name))
-    inputs = [torch.randn(1, 3, *s) for s in SIZES + [(16, 24)]]
-    with torch.no_grad():
-        refs = [[o.numpy() for o in model(x)] for x in inputs]
-        mmslab.reparameterize(model)
-        with export_mode(symbolic=True):
-            for x, ref in zip(inputs, refs):
-                assert_close(ref, [o.numpy() for o in model(x)], 1e-4)
 
 
 def mmdet_swin():
@@ -111,7 +94,7 @@ def mmdet_swin():
 
 @pytest.mark.parametrize('attention', ['split', pytest.param('packed', marks=pytest.mark.slow)])
 def test_mmdet_swin_dynamic_forward_equals_mmdet(attention, tmp_path):
-    """mmdet's own Swin: the shape-generic forwards give mmdet's numbers in eager mode, and
+    """mmdet's own Swin: the shape-generic rewrites give mmdet's numbers in eager mode, and
     the dynamic graph gives them at every size."""
     torch.manual_seed(0)
     model = mmdet_swin()
@@ -119,7 +102,7 @@ def test_mmdet_swin_dynamic_forward_equals_mmdet(attention, tmp_path):
     inputs = [torch.randn(1, 3, *s) for s in SIZES]
     with torch.no_grad():
         refs = [[o.numpy() for o in model(x)] for x in inputs]
-        with dynamic_mmdet_swin():
+        with rewritten(model, 'onnxruntime'):
             assert_close(refs[0], [o.numpy() for o in model(inputs[0])], 1e-5)
     path = str(tmp_path / 'mmdet_swin.onnx')
     export_onnx(model, 'backbone', TRACE, path, dynamic=True, attention=attention)
@@ -140,7 +123,7 @@ def graph_float_constants(path):
 def test_mmdet_swin_static_export_has_the_denormal_free_shift_mask(tmp_path):
     """A fixed-size export of mmdet's Swin takes mmslab's shift mask too: no -100 fill
     (denormal softmax probabilities, slow in onnxruntime), mmdet's numbers all the same."""
-    from mmslab.models.layers.shift_window import SHIFT_MASK_FILL
+    from mmslab.models.layers.shift_mask import SHIFT_MASK_FILL
     torch.manual_seed(0)
     model = mmdet_swin()
     randomize_weights(model)
@@ -191,51 +174,32 @@ def test_dynamic_upernet_logits_and_argmax(tmp_path):
         assert (label == full.argmax(1).numpy()).mean() >= 0.999
 
 
-def test_class_patches_restore_own_and_inherited_methods():
-    """The class patches of the mmdet / mmseg export forwards: inside the block every target
-    runs the replacement; after it (normally or by an exception) a class that had its own
-    method has it back and one that inherited it (no ``forward`` in its ``__dict__``, where a
-    lookup of ``cls.__dict__[name]`` fails) inherits it again, with nothing left behind."""
+def test_rewrites_bind_to_the_instances_and_are_undone():
+    """Inside ``rewritten`` the model's modules run their runtime's rewrite (mmdet's shifted
+    windows here, bound to each instance: the class and other models keep their forward);
+    after it, normally or by an exception, every module runs its own forward again, an
+    attribute the instance had of its own restored."""
     from mmdet.models.backbones.swin import ShiftWindowMSA
-
-    from mmslab.deploy.mmdet_swin import _patched, _shift_window_msa_forward
-
-    class Base(torch.nn.Module):
-        def forward(self, x):
-            return x + 1
-
-    class Inherits(Base):
-        pass
-
-    class Own(Base):
-        def forward(self, x):
-            return x + 2
-
-    class MySwinMSA(ShiftWindowMSA):  # mmdet's forward, inherited
-        pass
-
-    def times_ten(self, x):
-        return x * 10
-
-    own_forward = Own.forward
-    targets = [(Inherits, 'forward', times_ten), (Own, 'forward', times_ten),
-               (MySwinMSA, 'forward', _shift_window_msa_forward)]
-    one = torch.ones(1)
+    from mmslab.deploy.mmdet_swin import _shift_window_msa_forward
+    model, other = mmdet_swin(), mmdet_swin()
+    blocks = [m for m in model.modules() if isinstance(m, ShiftWindowMSA)]
+    own = lambda *a: 'own'  # noqa: E731
+    blocks[0].forward = own
 
     def assert_restored():
-        assert 'forward' not in vars(Inherits) and Inherits.forward is Base.forward
-        assert 'forward' not in vars(MySwinMSA)
-        assert MySwinMSA.forward is ShiftWindowMSA.forward
-        assert Own.forward is own_forward and Base.forward(None, one) == 2
-        assert Inherits()(one) == 2 and Own()(one) == 3
+        assert blocks[0].forward is own
+        assert all('forward' not in vars(m) for m in blocks[1:])
+        assert ShiftWindowMSA.forward is not _shift_window_msa_forward
 
-    with _patched(targets):
-        assert Inherits()(one) == 10 and Own()(one) == 10 and Base()(one) == 2
-        assert MySwinMSA.forward is _shift_window_msa_forward
-        assert ShiftWindowMSA.forward is not _shift_window_msa_forward  # only the subclass
+    with rewritten(model, 'openvino') as count:
+        assert count >= len(blocks)
+        assert all(m.forward.__func__ is _shift_window_msa_forward for m in blocks)
+        assert all('forward' not in vars(m) for m in other.modules())
     assert_restored()
     with pytest.raises(ZeroDivisionError):
-        with _patched(targets):
-            assert Inherits()(one) == 10
+        with rewritten(model, 'onnxruntime'):
             1 / 0
     assert_restored()
+    with pytest.raises(ValueError, match="valid: \\('onnxruntime', 'openvino'\\)"):
+        with rewritten(model, 'tensorrt'):
+            pass

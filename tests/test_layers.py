@@ -14,7 +14,6 @@ from mmslab.models.layers import (SLA, ChannelIdleFFN, PRepBN, RepBN,
                                   ShiftWindowAttention, TokenBN, WindowMSA, build_norm,
                                   fold_affine_into_next_conv, fold_affine_into_next_linear,
                                   fold_affine_into_prev)
-from mmslab.models.layers.export_mode import export_mode, linear_attention_form
 
 
 def randomize_bn(bn: nn.modules.batchnorm._BatchNorm, gen=None):
@@ -371,38 +370,22 @@ def naive_sla(qkv, pos, dwc, num_heads, grid, valid=None):
     return out + dw.permute(2, 3, 0, 1).reshape(gh * gw, c)
 
 
-@pytest.mark.parametrize('form', ['heads', 'blockdiag'])
 @pytest.mark.parametrize('heads', [1, 2, 4])
-def test_sla_matches_naive_quadratic_computation(form, heads):
-    """Both forms of the per-head products (export_mode's linear_attention), on the packed
-    qkv and on its three parts (what graphs pass)."""
+def test_sla_matches_naive_quadratic_computation(heads):
+    """On the packed qkv and on its three parts."""
     torch.manual_seed(3)
     sla = SLA(16, heads, 4).double()
     nn.init.normal_(sla.positional_encoding, std=0.5)
     qkv = torch.randn(3, 16, 48, dtype=torch.float64)
-    with export_mode(linear_attention=form):
-        assert linear_attention_form(sla) == form
-        out = sla.attend(qkv, 3, (4, 4)).reshape(3, 16, 16)
-        q, k, v = qkv.split(16, dim=-1)  # the parts as qkv_parts gives them: q after ReLU
-        parts = sla.attend((F.relu(q), k, v), 3, (4, 4)).reshape(3, 16, 16)
-    assert torch.equal(out, parts)
+    out = sla.attend(qkv, (4, 4))
+    assert torch.equal(out, sla.attend(qkv.split(16, dim=-1), (4, 4)))
     for b in range(3):
         ref = naive_sla(qkv[b], sla.positional_encoding[0], sla.dwc, heads, (4, 4))
         assert rel_err(out[b], ref) <= 1e-10
 
 
-def test_linear_attention_form_auto_follows_the_head_count():
-    assert linear_attention_form(SLA(192, 6, 7)) == 'blockdiag'
-    assert linear_attention_form(SLA(256, 8, 7)) == 'heads'
-    with pytest.raises(ValueError, match="valid: \\('auto', 'heads', 'blockdiag'\\)"):
-        with export_mode(linear_attention='fused'):
-            pass
-
-
-@pytest.mark.parametrize('form', ['heads', 'blockdiag'])
-def test_sla_padding_does_not_change_valid_tokens(form):
-    with export_mode(linear_attention=form):
-        check_sla_padding()
+def test_sla_padding_does_not_change_valid_tokens():
+    check_sla_padding()
 
 
 def check_sla_padding():
@@ -462,126 +445,74 @@ def shifted_sla_reference(attn, x, hw):
     return kernel.proj(out)
 
 
-@pytest.mark.parametrize('form', ['heads', 'blockdiag'])
 @pytest.mark.parametrize('shift', [False, True])
-@pytest.mark.parametrize('path,window', [('compact', 8), ('padded', 8), ('graph', 8),
-                                         ('graph', 7)])
-def test_sla_windows_cropped_to_their_valid_span_match_the_padded_formula(form, shift, path,
+@pytest.mark.parametrize('sizes,window', [('ints', 8), ('traced', 8), ('traced', 7)])
+def test_sla_windows_cropped_to_their_valid_span_match_the_padded_formula(shift, sizes,
                                                                          window):
-    """The windows of padded maps are computed cropped to their valid tokens: eager
-    (``compact``) and fixed-size graphs group them by span (``compact_window_groups``),
-    free-size graphs in four runtime-sized groups (``graph``: the shape-generic path tracing
-    records, sizes as tensors); or, eager, all padded windows at once with the padded slots
-    masked (``padded``). Maps whose shifted windows start with padding, wrap with a padded
-    gap between their two valid parts, end in a partial window, or fit in one window along
-    one axis; odd windows (shift ``(w - 1) / 2``) too."""
+    """The windows of padded maps are computed cropped to their valid tokens, in four
+    groups (``cropped_windows``), from Python int sizes (eager) or sizes as tensors (what
+    tracing records: the graph computes the groups): the padded formula's numbers on maps
+    whose shifted windows start with padding, wrap with a padded gap between their two
+    valid parts, end in a partial window, or fit in one window along one axis; odd windows
+    (shift ``(w - 1) / 2``) too."""
     torch.manual_seed(7)
     attn = ShiftWindowAttention(16, 2, window, shift=shift, attn_type='sla').double()
     nn.init.normal_(attn.w_msa.positional_encoding, std=0.5)
     nn.init.normal_(attn.w_msa.dwc.weight, std=0.5)
-    graph = path == 'graph'
-    with export_mode(linear_attention=form, symbolic=graph,
-                     masked_windows=None if graph else path):
-        for hw in [(12, 12), (23, 31), (17, 8), (5, 30), (16, 11), (19, 6)]:
-            x = torch.randn(2, hw[0] * hw[1], 16, dtype=torch.float64)
-            out = attn(x, tuple(torch.tensor(v) for v in hw) if graph else hw)
-            for b in range(2):
-                assert rel_err(out[b], shifted_sla_reference(attn, x[b], hw)) <= 1e-10
-            if not graph:
-                assert attn._layout(*hw, x.device)['compact'] is not None
+    for hw in [(12, 12), (23, 31), (17, 8), (5, 30), (16, 11), (19, 6)]:
+        x = torch.randn(2, hw[0] * hw[1], 16, dtype=torch.float64)
+        out = attn(x, tuple(torch.tensor(v) for v in hw) if sizes == 'traced' else hw)
+        for b in range(2):
+            assert rel_err(out[b], shifted_sla_reference(attn, x[b], hw)) <= 1e-10
 
 
-def test_masked_windows_follow_a_rule(monkeypatch):
-    """The window form is a rule, never a timing: eager CPU inference under ``auto`` takes
-    the cropped groups in chunks, training (gradients) the cropped groups whole, a set form
-    is taken (its chunks only in inference), a map the windows tile has only the padded
-    form, an explicit linear-attention form keeps the whole map; the output is the
-    formula's in every form; an unknown setting is refused by name."""
+def test_sla_runs_in_chunks_only_in_eager_cpu_inference(monkeypatch):
+    """Chunks of windows are a loop around the whole-map computation, taken by a rule,
+    never a timing: eager CPU inference with sizes known; training (gradients) and traced
+    sizes take the whole map; the output is the formula's either way."""
     torch.manual_seed(3)
     attn = ShiftWindowAttention(16, 2, 8, shift=True, attn_type='sla').double().eval()
     nn.init.normal_(attn.w_msa.positional_encoding, std=0.5)
-    forms = []
-    real = ShiftWindowAttention._windows_forward
-
-    def spy(self, x, lay, form):
-        forms.append(form)
-        return real(self, x, lay, form)
-    monkeypatch.setattr(ShiftWindowAttention, '_windows_forward', spy)
+    chunked = []
+    real = ShiftWindowAttention._forward_in_chunks
+    monkeypatch.setattr(ShiftWindowAttention, '_forward_in_chunks',
+                        lambda self, *a: chunked.append(1) or real(self, *a))
     x = torch.randn(1, 12 * 20, 16, dtype=torch.float64)
+    ref = shifted_sla_reference(attn, x[0], (12, 20))
     with torch.no_grad():
         out = attn(x, (12, 20))
-        assert torch.equal(attn(x, (12, 20)), out)
-    assert rel_err(out[0], shifted_sla_reference(attn, x[0], (12, 20))) <= 1e-10
-    with torch.no_grad(), export_mode(masked_windows='padded_chunked'):
-        attn(x, (12, 20))
-    with torch.no_grad(), export_mode(masked_windows='padded'):
-        padded = attn(x, (12, 20))
-    assert rel_err(padded[0], shifted_sla_reference(attn, x[0], (12, 20))) <= 1e-10
-    attn.train()
-    with export_mode(masked_windows='compact_chunked'):  # chunks only in inference
-        attn(x.requires_grad_(), (12, 20))
-    attn(x, (12, 20))
-    attn(torch.randn(1, 16 * 16, 16, dtype=torch.float64, requires_grad=True), (16, 16))
-    attn.eval()
-    with torch.no_grad(), export_mode(linear_attention='heads'):  # no chunks
-        out = attn(x.detach(), (12, 20))
-    assert rel_err(out[0], shifted_sla_reference(attn, x[0].detach(), (12, 20))) <= 1e-10
-    # 16x16: tiled by the windows
-    assert forms == ['compact_chunked', 'compact_chunked', 'padded_chunked', 'padded',
-                     'compact', 'compact', 'padded', 'compact']
-    # off the CPU (a GPU's time is launches): the padded windows, one call for all
-    from mmslab.models.layers.shift_window import choose_masked_windows
-    lay = attn._layout(12, 20, torch.device('cpu'))
-    elsewhere = torch.empty(1, 240, 16, device='meta')
-    assert choose_masked_windows(attn, elsewhere, lay) == 'padded'
-    with export_mode(masked_windows='compact'):
-        assert choose_masked_windows(attn, elsewhere, lay) == 'compact'
-    with pytest.raises(ValueError, match="masked_windows='cropped'.*auto, compact, padded"):
-        with export_mode(masked_windows='cropped'):
-            pass
+        assert torch.equal(attn(x, (12, 20)), out) and len(chunked) == 2
+        assert rel_err(out[0], ref) <= 1e-10
+        attn(x, (torch.tensor(12), torch.tensor(20)))
+    whole = attn(x, (12, 20))
+    assert rel_err(whole[0], ref) <= 1e-10 and len(chunked) == 2
 
 
+@pytest.mark.parametrize('traced', [False, True])
 @pytest.mark.parametrize('shift', [False, True])
-def test_free_size_graph_windows_skip_the_padding(shift):
-    """SLAB-Swin-T's stage 1 at 512 x 512 (128 x 128 tokens, windows of 56): the free-size
-    layout computes 16384 window slots unshifted (no padded one) and 19600 shifted (spans
+def test_cropped_windows_skip_the_padding(shift, traced):
+    """SLAB-Swin-T's stage 1 at 512 x 512 (128 x 128 tokens, windows of 56): the cropped
+    groups hold 16384 window slots unshifted (no padded one) and 19600 shifted (spans
     56 + 56 + 28 per axis), where padded windows take 168 x 168 = 28224; every token has
     exactly one slot that is read back, and it holds that token."""
-    attn = ShiftWindowAttention(8, 1, 56, shift=shift, attn_type='sla')
-    size = torch.tensor(128)
-    lay = attn._graph_compact_layout(torch.zeros(1, 128 * 128, 8), (size, size))
-    gather = torch.cat([g['gather_or_pad'] for g in lay['groups']])
+    from mmslab.models.layers.shift_window import cropped_windows
+    size = torch.tensor(128) if traced else 128
+    lay = cropped_windows(size, size, 56, 56, 28 if shift else 0)
+    gather = torch.cat([torch.where(g['valid'].reshape(-1), g['gather'], 128 * 128)
+                        for g in lay['groups']])
     slot = lay['slot']
     assert len(gather) == (19600 if shift else 16384)
     assert (gather[slot] == torch.arange(128 * 128)).all()
     assert sorted(gather[gather < 128 * 128].tolist()) == list(range(128 * 128))
-    assert [g['count'] * g['hw'][0] * g['hw'][1] for g in lay['groups']] == (
+    assert [int(g['count'] * g['hw'][0] * g['hw'][1]) for g in lay['groups']] == (
         [2 * 2 * 56 * 56, 2 * 56 * 28, 2 * 28 * 56, 28 * 28] if shift else
         [2 * 2 * 56 * 56, 2 * 56 * 16, 2 * 16 * 56, 16 * 16])
-
-
-def test_compact_window_groups_cover_every_token_once():
-    from mmslab.models.layers.shift_window import compact_window_groups
-    # SLAB-Swin-T's stage 1 at 512 x 512: 128 x 128 tokens, windows of 56 (padded: 168)
-    plain = compact_window_groups(128, 128, 56, 56, 0)
-    shifted = compact_window_groups(128, 128, 56, 56, 28)
-    for layout in (plain, shifted):
-        assert sorted(layout['gather']) == list(range(128 * 128))  # no padded slot
-        assert (layout['gather'][layout['slot']] == range(128 * 128)).all()
-    # spans 56 / 56 / 16 per axis; shifted: 56 / 44 / 28, the last at positions 28..55
-    assert sorted((g['hw'], g['count']) for g in plain['groups']) == [
-        ((16, 16), 1), ((16, 56), 2), ((56, 16), 2), ((56, 56), 4)]
-    assert sorted(g['hw'] for g in shifted['groups']) == sorted(
-        (a, b) for a in (56, 44, 28) for b in (56, 44, 28))
-    assert {g['origin'] for g in shifted['groups']} == {
-        (a, b) for a in (0, 28) for b in (0, 28)}
-    # 200 rows: three whole windows, then the wrapped one, with rows 196..199 and 0..27 and
-    # 24 padded rows between them: all four span 56 rows, one group
-    wrapped = compact_window_groups(200, 56, 56, 56, 28)
-    assert len(wrapped['pad_slots']) == 24 * 56
-    (group, ) = wrapped['groups']
-    assert group['hw'] == (56, 56) and group['count'] == 4
-    assert group['valid'].sum(1).tolist() == [56 * 56] * 3 + [32 * 56]
+    # 200 rows, shifted: three whole windows, then the wrapped one, with rows 196..199 and
+    # 0..27 and 24 padded rows between them
+    wrapped = cropped_windows(200, 56, 56, 56, 28)['groups']
+    assert [(g['count'], g['hw']) for g in wrapped] == [(3, (56, 56)), (3, (56, 56)),
+                                                        (1, (56, 56)), (1, (56, 56))]
+    assert wrapped[2]['valid'].sum().item() == 32 * 56
 
 
 def test_binorm_matches_naive_and_ignores_padding():
@@ -608,7 +539,7 @@ def test_shift_mask_leaves_no_denormal_probabilities(traced_sizes):
     """Softmax over attention scores plus the shift mask gives masked entries of exactly 0,
     never denormal floats (which CPUs multiply many times slower; Swin's -100 gave
     exp(-100) ~ 4e-44), for the constant mask and the one computed in a graph."""
-    from mmslab.models.layers.shift_window import shift_window_mask
+    from mmslab.models.layers.shift_mask import shift_window_mask
     sizes = (21, 14, 7, 7, 3)
     if traced_sizes:  # the map's size (window and shift are constants of the model)
         sizes = (torch.tensor(21), torch.tensor(14)) + sizes[2:]
@@ -649,7 +580,7 @@ def test_shift_mask_by_window_kind_is_swins_mask(sizes):
     hp, wp, wh, ww, s = sizes
     ref = swin_img_mask(hp, wp, wh, ww, s) * SHIFT_MASK_FILL
     by_type = shift_mask_by_type(torch.tensor(hp), torch.tensor(wp), wh, ww, s)
-    assert by_type.num_windows == (hp // wh) * (wp // ww)
+    assert by_type.window_type.shape == ((hp // wh) * (wp // ww), )
     assert torch.equal(by_type.dense(), ref)
     assert torch.equal(shift_window_mask(torch.tensor(hp), torch.tensor(wp), wh, ww, s), ref)
     assert torch.equal(shift_window_mask(hp, wp, wh, ww, s), ref)
@@ -718,7 +649,7 @@ def test_a_model_run_in_inference_mode_trains_afterwards(name):
     with torch.inference_mode():
         model(x)
     attns = [m for m in model.modules() if isinstance(m, ShiftWindowAttention)]
-    cached = [dict(m._cache) for m in attns]
+    cached = [dict(m._layouts) for m in attns]
     assert all(cached)
     grads = []
     for m in (model, fresh):
@@ -726,43 +657,17 @@ def test_a_model_run_in_inference_mode_trains_afterwards(name):
         set_progressive_iter(m, 5)
         sum(out.square().sum() for out in m(x)).backward()
         grads.append([p.grad for p in m.parameters() if p.requires_grad])
-    assert all(m._cache[k] is c[k] for m, c in zip(attns, cached) for k in c)
+    assert all(m._layouts[k] is c[k] for m, c in zip(attns, cached) for k in c)
     assert [a is None for a in grads[0]] == [b is None for b in grads[1]]
     assert sum(a is not None for a in grads[0]) > len(grads[0]) // 2
     for a, b in zip(*grads):
         assert a is None or rel_err(a, b) <= 1e-6
 
 
-def test_sla_keeps_its_tiled_dwc_only_outside_training():
-    """SLA's head-tiled DWC weights are kept between inference calls, as plain detached
-    tensors (a kept autograd graph would make the module impossible to deepcopy, as
-    ``fused_copy`` does after an evaluation), made anew when the weights change, and never
-    kept while training (the gradient flows through the tiled copy)."""
-    from mmslab.models.layers import SLA
-    torch.manual_seed(0)
-    sla = SLA(16, 2, 4)
-    qkv = torch.randn(3, 16, 48)
-    with torch.no_grad():
-        first = sla.attend(qkv, 3, (4, 4))
-        kept = sla._tiled_cache[3][0]
-        assert sla.attend(qkv, 3, (4, 4)).equal(first) and sla._tiled_cache[3][0] is kept
-    assert kept.grad_fn is None and not kept.requires_grad
-    copy.deepcopy(sla)
-    with torch.no_grad():
-        sla.dwc.weight.mul_(2)  # in place: the version counter moves
-        changed = sla.attend(qkv, 3, (4, 4))
-    assert sla._tiled_cache[3][0] is not kept and not changed.equal(first)
-    with torch.inference_mode():
-        sla.attend(qkv, 3, (4, 4))
-    assert not sla._tiled_cache[3][0].is_inference()
-    sla.attend(qkv, 3, (4, 4)).sum().backward()
-    assert sla._tiled_cache is None and sla.dwc.weight.grad.abs().sum() > 0
-
-
 @pytest.mark.parametrize('name', ['PRepBNSwin', 'SLABSwin'])
 def test_a_fused_model_loaded_after_a_call_uses_the_new_weights(name):
-    """Fused window attention caches its position bias (with the shift masks) per size, SLA
-    its tiled DWC: weights loaded in place after an inference call (load_state_dict) must
+    """Fused window attention caches its position bias (with the shift masks) per size:
+    weights loaded in place after an inference call (load_state_dict) must
     replace them. Reference: a model built with those weights that never ran."""
     from presets import build_preset
     models = []
@@ -784,27 +689,35 @@ def test_a_fused_model_loaded_after_a_call_uses_the_new_weights(name):
 
 
 def count_chunked_calls(monkeypatch) -> list:
-    """Spy on SLA.attend_windows: the list gets one ``[B', N]`` shape per chunk."""
-    calls = []
-    real = SLA.attend_windows
+    """Spy on SLA.attend inside ShiftWindowAttention._forward_in_chunks: the list gets one
+    ``[B', N]`` shape per chunk."""
+    calls, inside = [], []
+    real_attend, real_chunks = SLA.attend, ShiftWindowAttention._forward_in_chunks
 
-    def spy(self, x, *args, **kwargs):
-        calls.append(tuple(x.shape[:2]))
-        return real(self, x, *args, **kwargs)
-    monkeypatch.setattr(SLA, 'attend_windows', spy)
+    def attend(self, qkv, *args, **kwargs):
+        if inside:
+            calls.append(tuple(qkv[0].shape[:2]))
+        return real_attend(self, qkv, *args, **kwargs)
+
+    def chunks(self, *args):
+        inside.append(1)
+        try:
+            return real_chunks(self, *args)
+        finally:
+            inside.pop()
+    monkeypatch.setattr(SLA, 'attend', attend)
+    monkeypatch.setattr(ShiftWindowAttention, '_forward_in_chunks', chunks)
     return calls
 
 
 @pytest.mark.parametrize('shift', [False, True])
-@pytest.mark.parametrize('masked', ['compact', 'padded'])
 @pytest.mark.parametrize('values', [1, 10 ** 6])
-def test_sla_eager_inference_in_chunks_matches_the_padded_formula(monkeypatch, shift, masked,
-                                                                  values):
+def test_sla_eager_inference_in_chunks_matches_the_padded_formula(monkeypatch, shift, values):
     """Eager CPU inference of window SLA in chunks of windows (qkv, kernel and proj per
     chunk, ShiftWindowAttention._forward_in_chunks): one window per chunk (``values`` 1) or
-    all at once, on cropped groups or padded windows, two images, maps that pad, wrap, end
-    in partial windows or fit in one window along an axis: the transcribed formula's
-    numbers. An explicit linear-attention form, and gradients, take the whole-map path."""
+    all at once, two images, maps that pad, wrap, end in partial windows or fit in one
+    window along an axis: the transcribed formula's numbers. Gradients take the whole-map
+    path."""
     from mmslab.models.layers.shift_window import ShiftWindowAttention as SWA
     monkeypatch.setattr(SWA, 'chunk_values', values)
     calls = count_chunked_calls(monkeypatch)
@@ -816,7 +729,7 @@ def test_sla_eager_inference_in_chunks_matches_the_padded_formula(monkeypatch, s
     for hw in [(12, 12), (23, 31), (17, 8), (5, 30), (16, 11), (8, 8)]:
         x = torch.randn(2, hw[0] * hw[1], 16, dtype=torch.float64)
         calls.clear()
-        with torch.no_grad(), export_mode(masked_windows=masked + '_chunked'):
+        with torch.no_grad():
             out = attn(x, hw)
         assert calls and all(b % 2 == 0 for b, _ in calls)  # both images in each chunk
         if values == 1:
@@ -824,15 +737,12 @@ def test_sla_eager_inference_in_chunks_matches_the_padded_formula(monkeypatch, s
         for b in range(2):
             assert rel_err(out[b], shifted_sla_reference(attn, x[b], hw)) <= 1e-10, hw
     calls.clear()
-    with torch.no_grad(), export_mode(linear_attention='heads'):
-        attn(x, hw)
     attn(x.requires_grad_(), hw)
     assert not calls
 
 
 def test_sla_in_chunks_follows_weights_loaded_after_a_call():
-    """The chunked path keeps its per-window biases (q's and k's bias plus the positional
-    encoding) between calls: weights loaded in place afterwards must be used."""
+    """Weights loaded in place after a call in chunks are used by the next."""
     torch.manual_seed(8)
     attn = ShiftWindowAttention(16, 2, 8, shift=True, attn_type='sla').double().eval()
     x = torch.randn(1, 12 * 20, 16, dtype=torch.float64)
@@ -854,8 +764,7 @@ def test_sla_in_chunks_under_bf16_autocast_is_within_bf16_rounding(monkeypatch):
     torch.manual_seed(9)
     attn = ShiftWindowAttention(32, 2, 8, shift=True, attn_type='sla').eval()
     x = torch.randn(1, 12 * 20, 32) * 2 + 1
-    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16), \
-            export_mode(masked_windows='compact_chunked'):
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
         out = attn(x, (12, 20))
     assert calls and out.dtype == torch.bfloat16
     ref = shifted_sla_reference(attn.double(), x[0].double(), (12, 20))

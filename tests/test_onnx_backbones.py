@@ -16,8 +16,7 @@ from conftest import randomize_weights
 from mmslab.deploy import export_onnx
 from mmslab.deploy.onnx_export import make_exportable
 from mmslab.deploy.quantize import weight_layers
-from mmslab.models.layers import WindowKernelBase
-from mmslab.models.layers.window_attention import attention_layout_report
+from mmslab.deploy.window_graphs import attention_layout_report
 from presets import PRESETS, PVT_TINY, build_preset
 
 
@@ -83,12 +82,11 @@ def test_fused_onnx_backbone_matches_unfused_model(name, shape, tmp_path):
     constants = {o for n in graph.node if n.op_type == 'Constant' for o in n.output}
     layers = [n for n in graph.node if n.op_type in ('MatMul', 'Gemm', 'Conv')]
     assert not [n.name for n in layers if n.input[1] in constants]
-    # (the default 'split' attention layout writes each window block's qkv as three MatMuls,
-    # and so do the kernels that mask padding, SLA and BiNorm, in every layout; those run
-    # them once per group of windows, on one initializer per weight)
+    # (the default 'split' form writes each window softmax block's qkv as three MatMuls;
+    # the kernels that mask padding run theirs once per group of windows, on one
+    # initializer)
     assert not scalar_onto_unit_last_axis(path)
-    split_blocks = attention_layout_report(model, 'split')['split'] + sum(
-        isinstance(m, WindowKernelBase) and m.masks_padding for m in model.modules())
+    split_blocks = attention_layout_report(model, 'split')['split']
     layer_names = set(weight_layers(path))
     weights = {n.input[1] for n in graph.node if n.name in layer_names}
     assert len(weights) == 2 * split_blocks + sum(
@@ -128,10 +126,9 @@ def test_expected_export_warnings_are_hidden_and_only_those():
 
     tracer = torch.jit.TracerWarning
     categories = dict(TracerWarning=tracer, UserWarning=UserWarning)
-    modules = {r'mmslab\.models\.layers\.window_attention': 'mmslab.models.layers.window_attention',
+    modules = {r'mmslab\.deploy\.window_graphs': 'mmslab.deploy.window_graphs',
                r'mmslab\.models\.layers\.shift_mask': 'mmslab.models.layers.shift_mask',
-               r'mmslab\.models\.layers\.patch':
-               'mmslab.models.layers.patch', r'torch$': 'torch',
+               r'torch$': 'torch',
                r'torch\.onnx\.': 'torch.onnx._internal.torchscript_exporter.utils'}
     for category, message, module, _ in EXPECTED_EXPORT_WARNINGS:
         assert shown(categories[category], message, modules[module]) == 0, message

@@ -1,11 +1,10 @@
-"""Window softmax attention: both implementations equal an explicit softmax; the one used is a
-rule (``sdpa`` eager, ``matmul`` in graphs) or set by ``export_mode(window_softmax=...)``."""
+"""Window softmax attention: the model's computation (PyTorch's fused attention) and the
+exported graphs' form (matmul, softmax, matmul) equal an explicit softmax."""
 
 import pytest
 import torch
 
-from mmslab.models.layers import window_attention as wa
-from mmslab.models.layers.export_mode import current_export_mode, export_mode
+from mmslab.deploy.window_graphs import window_msa_attend
 from mmslab.models.layers.shift_window import ShiftWindowAttention
 
 
@@ -25,9 +24,9 @@ def explicit_window_attention(qkv, heads, scale, bias, mask):
     return out
 
 
-@pytest.mark.parametrize('impl', ['sdpa', 'matmul'])
+@pytest.mark.parametrize('form', ['model', 'graph'])
 @pytest.mark.parametrize('shift', [False, True])
-def test_each_implementation_matches_explicit_softmax(impl, shift):
+def test_each_form_matches_explicit_softmax(form, shift):
     torch.manual_seed(0)
     attn = ShiftWindowAttention(24, 3, 4, shift=shift).eval()
     torch.nn.init.normal_(attn.w_msa.relative_position_bias_table, std=0.5)
@@ -35,29 +34,12 @@ def test_each_implementation_matches_explicit_softmax(impl, shift):
     h, w = 8, 8  # two windows per side, no padding: the layout is a plain partition + roll
     layout = attn._layout(h, w, torch.device('cpu'))
     qkv = torch.randn(2 * layout['num_windows'], 16, 72)
-    with torch.no_grad(), export_mode(window_softmax=impl):
-        ours = kernel.attend(qkv, layout['num_windows'], (4, 4),
-                             shift_mask=layout['shift_mask'])
-    ref = explicit_window_attention(qkv, 3, kernel.scale, kernel.position_bias(),
-                                    layout['shift_mask'])
-    torch.testing.assert_close(ours.reshape(ref.shape), ref, rtol=1e-5, atol=1e-5)
-    if shift:
-        assert layout['shift_mask'] is not None and (layout['shift_mask'] < 0).any()
-
-
-def test_the_choice_is_a_rule():
-    """sdpa in eager runs, training and inference alike; matmul while exporting; a set
-    form wins. Nothing is timed (no timer is imported by the layers)."""
-    assert wa.choose_window_softmax() == 'sdpa'
+    attend = kernel.attend if form == 'model' else \
+        (lambda *a, **k: window_msa_attend(kernel, *a, **k))
+    mask = layout.get('shift_mask')
     with torch.no_grad():
-        assert wa.choose_window_softmax() == 'sdpa'
-        with export_mode(window_softmax='matmul'):
-            assert wa.choose_window_softmax() == 'matmul'
-    assert not hasattr(wa, 'fastest_choice')
-
-
-def test_invalid_forced_choice_is_an_error():
-    with pytest.raises(ValueError, match='valid: auto, sdpa, matmul'):
-        with export_mode(window_softmax='fastest'):
-            pass
-    assert current_export_mode()['window_softmax'] == 'auto'  # restored after the error
+        ours = attend(qkv, (4, 4), shift_mask=mask)
+    dense = None if mask is None else mask.dense()
+    ref = explicit_window_attention(qkv, 3, kernel.scale, kernel.position_bias(), dense)
+    torch.testing.assert_close(ours.reshape(ref.shape), ref, rtol=1e-5, atol=1e-5)
+    assert (mask is not None and (dense < 0).any()) == shift

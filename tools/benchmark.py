@@ -54,7 +54,6 @@ from mmengine.utils import ProgressBar
 import mmslab  # noqa: F401
 from mmslab.deploy.cuda_graph import graph_captures, use_cuda_graphs
 from mmslab.utils.launch import build_model_from_config
-from mmslab.models.layers.export_mode import current_export_mode
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
 from mmslab.utils.machine import machine_info, machine_line
 from mmslab.utils.plotting import saved_figure
@@ -235,8 +234,7 @@ def main(argv=None):
                   threads=torch.get_num_threads(), precisions=precisions, batch_sizes=batch_sizes,
                   repeat=args.repeat, warmup=args.warmup, torch=torch.__version__,
                   references=references, results=results, ratios=ratios(results, name),
-                  speedups=speedups(results, references),
-                  export_mode=current_export_mode())
+                  speedups=speedups(results, references))
     if args.cuda_graph:
         graph_variants = {k: m for k, m in variants.items() if k.endswith(GRAPHED_SUFFIX)}
         report['cuda_graph'] = {k: graph_captures(m) for k, m in graph_variants.items()}

@@ -58,7 +58,7 @@ from mmslab.deploy.quantize import (calibration_images, preprocessed_images,
                                     quantize_onnxruntime, quantize_openvino)
 from mmslab.deploy.runtimes import RUNTIMES, artifact_path, load_runtime_model
 from mmslab.engine.hooks.reparam_eval_hook import verify_fusion
-from mmslab.models.layers.window_attention import ATTENTION_LAYOUTS
+from mmslab.deploy.window_graphs import ATTENTION_LAYOUTS
 from mmslab.utils.launch import build_model_from_config, load_config
 from mmslab.utils.machine import has_bf16
 

@@ -19,12 +19,10 @@ Keys (schema :data:`SCHEMA_VERSION`):
 * written by ``tools/export_onnx.py`` and read where present: ``config``,
   ``model_config_sha256`` (of the model section), ``checkpoint``, ``checkpoint_sha256``
   (null for ``--random-weights``), ``random_weights``, ``seg_argmax``, ``attention`` (the
-  window-attention layout in the graph and how many blocks took it; ``linear_attention``: the
-  form of SLA's per-head products, ``{runtime: counts}`` (window SLA takes the token-major
-  per-head form in onnxruntime's graph); ``linear_windows``: how SLA's / BiNorm's windows are
-  cropped of the padding, in runtime-sized groups in a free-size graph or grouped by span in
-  a fixed-size one; ``head_layout``: ``{runtime: layout}`` of q, k, v in each runtime's
-  graph, null where no attention took the ``split`` layout),
+  window-attention form in the graph and how many blocks took it, ``cropped``: the blocks
+  whose kernel masks padding (windows cropped to their valid tokens), ``head_layout``:
+  ``{runtime: layout}`` of q, k, v in each runtime's graph, null where no attention took
+  the ``split`` form),
   ``precisions``,
   ``versions``, ``machine``, and the measurements: parity and INT8 deviation per runtime,
   ``tolerance``, ``export_seconds``, ``onnx_mb``, ``int8``, ``parity_images``, ``latency``.

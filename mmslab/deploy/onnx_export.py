@@ -10,17 +10,17 @@ Parts:
   decode head's logits at 1/4 of the input) or, with ``seg_argmax``, ``seg_label [1, H, W]``
   (logits resized to the input and argmax in the graph).
 
-Static exports trace one input size: window layouts, shift masks and padding are constants
-of the graph. ``dynamic=True`` traces inside :func:`~mmslab.models.layers.symbolic_shapes`
-(and, for mmdet's own Swin, :func:`.mmdet_swin.dynamic_mmdet_swin`), so those are computed
-from the runtime size and the graph serves any height and width. mmdet's Swin takes
-mmslab's shifted-window forward in both (:mod:`.mmdet_swin`).
+mmslab's layers read sizes from the traced shape, so a graph computes its window layouts,
+shift masks and padding from the runtime size; ``dynamic=True`` leaves height and width free
+in the graph's input, a static export fixes them (the runtime folds the size arithmetic).
+Each runtime's graph is traced with its rewrites bound (:mod:`.rewriters`: the window
+attention's graph forms in :mod:`.window_graphs`, mmdet's own Swin in :mod:`.mmdet_swin`).
 """
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 import os
 import os.path as osp
 import warnings
-from typing import Iterator, List, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -28,27 +28,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from mmslab.models.layers.export_mode import export_mode, exporting, symbolic_shapes_enabled
 from .compare import max_relative_error  # noqa: F401  (re-exported)
 from .export_info import is_detector, is_segmentor
+from . import mmdet_swin  # noqa: F401  (registers mmdet's Swin rewrites)
+from .rewriters import rewritten
+from .window_graphs import RUNTIME_HEAD_LAYOUTS, attention_layout_report, check_attention_layout
 
 PARTS = ('backbone', 'features', 'model')
 #: Measured faster in OpenVINO (fp32 and INT8) and equal in onnxruntime (docs/benchmarks.md).
 DEFAULT_ATTENTION_LAYOUT = 'split'
 
 
-def pooling_matrix(size: int, out: int) -> Tensor:
-    """``[out, size]``: row ``i`` averages input cells ``floor(i*size/out)`` to
-    ``ceil((i+1)*size/out) - 1``, the bins of PyTorch's adaptive average pooling."""
-    m = torch.zeros(out, size)
-    for i in range(out):
-        start, end = (i * size) // out, -(-(i + 1) * size // out)
-        m[i, start:end] = 1.0 / (end - start)
-    return m
-
-
 def traced_pooling_matrix(size: Tensor, out: int, dtype: torch.dtype) -> Tensor:
-    """:func:`pooling_matrix` for a size known only at run time (a traced 0-d tensor)."""
+    """``[out, size]``: row ``i`` averages input cells ``floor(i*size/out)`` to
+    ``ceil((i+1)*size/out) - 1``, the bins of PyTorch's adaptive average pooling, for a
+    size read from the traced shape (a 0-d tensor)."""
     i = torch.arange(out, device=size.device).view(-1, 1)
     start = (i * size) // out
     end = ((i + 1) * size + out - 1) // out
@@ -62,8 +56,11 @@ class PoolingProduct(nn.Module):
     ``pool_product`` (quantizers are told to leave it in float: its matrices are activations
     in a dynamic graph, and NNCF could not give the pyramid-pooling Concat one scale)."""
 
-    def forward(self, ph: Tensor, x: Tensor, pw: Tensor) -> Tensor:
-        return ph @ x @ pw.t()  # [oh, h] @ [B, C, h, w] @ [w, ow]
+    def forward(self, ph: Optional[Tensor], x: Tensor, pw: Optional[Tensor]) -> Tensor:
+        # [oh, h] @ [B, C, h, w] @ [w, ow]; None: that axis keeps its size
+        if ph is not None:
+            x = ph @ x
+        return x if pw is None else x @ pw.t()
 
 
 class ExportableAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
@@ -81,22 +78,12 @@ class ExportableAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
         self.pool_product = PoolingProduct()
 
     def forward(self, x: Tensor) -> Tensor:
-        if not exporting():
+        if not torch.jit.is_tracing():
             return super().forward(x)
         oh, ow = self.output_size if isinstance(self.output_size, (tuple, list)) else \
             (self.output_size, self.output_size)
-        if symbolic_shapes_enabled():
-            h, w = x.shape[-2], x.shape[-1]
-            if oh is None or ow is None:
-                raise ValueError('adaptive pooling that keeps an input size (None) has no '
-                                 'dynamic-size export')
-            ph = traced_pooling_matrix(h, oh, x.dtype)
-            pw = traced_pooling_matrix(w, ow, x.dtype)
-        else:
-            h, w = int(x.shape[-2]), int(x.shape[-1])
-            oh, ow = oh or h, ow or w  # None keeps that size
-            ph = pooling_matrix(h, oh).to(x)
-            pw = pooling_matrix(w, ow).to(x)
+        ph = None if oh is None else traced_pooling_matrix(x.shape[-2], oh, x.dtype)
+        pw = None if ow is None else traced_pooling_matrix(x.shape[-1], ow, x.dtype)
         return self.pool_product(ph, x, pw)
 
 
@@ -184,15 +171,13 @@ class ExportWrapper(nn.Module):
 #: the graph: ``(category name, message start, module regex, why it is expected)``.
 EXPECTED_EXPORT_WARNINGS = (
     ('TracerWarning', 'Converting a tensor to a NumPy array',
-     r'mmslab\.models\.layers\.window_attention',
+     r'mmslab\.deploy\.window_graphs',
      "the padded token's qkv value is computed from the weights: a constant by design"),
     ('TracerWarning', 'torch.from_numpy results are registered as constants',
-     r'mmslab\.models\.layers\.window_attention', 'the same constant'),
+     r'mmslab\.deploy\.window_graphs', 'the same constant'),
     ('TracerWarning', 'torch.from_numpy results are registered as constants',
      r'mmslab\.models\.layers\.shift_mask',
      "the shift masks of the four window kinds: constants of the window and shift"),
-    ('TracerWarning', 'Converting a tensor to a Python boolean',
-     r'mmslab\.models\.layers\.patch', "patch merging's token-count check"),
     ('TracerWarning', 'Converting a tensor to a Python boolean', r'torch$',
      "torchvision's RoI box-shape check (torch._assert: boxes have 5 columns)"),
     ('UserWarning', 'Constant folding - Only steps=1 can be constant folded',
@@ -218,25 +203,18 @@ def expected_export_warnings() -> Iterator[None]:
 def export_onnx(model: nn.Module, part: str, shape: Tuple[int, int], path: str,
                 dynamic: bool = False, opset: int = 18, seg_argmax: bool = False,
                 attention: str = DEFAULT_ATTENTION_LAYOUT,
-                head_layout: str = 'window_major') -> List[str]:
+                runtime: str = 'onnxruntime') -> List[str]:
     """Write ``part`` of the (already fused, eval-mode) ``model`` to ``path``, traced at
     ``shape``; returns the output names. ``dynamic``: height and width are free.
-    ``attention`` and ``head_layout``: the layout of window softmax attention in the graph
-    (see :mod:`~mmslab.models.layers.export_mode`; :func:`export_runtime_graphs` picks the
-    head layout per runtime). The exporter's expected warnings are not shown
-    (:func:`expected_export_warnings`)."""
-    from .mmdet_swin import mmdet_swin_export_forwards, split_mmdet_window_attention
+    ``runtime``: whose graph it is, ``attention``: whether window attention takes its
+    ``split`` form there (:mod:`.window_graphs`). The exporter's expected warnings are not
+    shown (:func:`expected_export_warnings`)."""
+    check_attention_layout(attention)
     wrapper = ExportWrapper(make_exportable(model), part, seg_argmax).eval()
     dummy = torch.randn(1, 3, *shape)
-    with ExitStack() as stack:
-        stack.enter_context(expected_export_warnings())
-        stack.enter_context(export_mode(layout=attention, symbolic=dynamic,
-                                        head_layout=head_layout))
-        if attention == 'split':
-            stack.enter_context(split_mmdet_window_attention())
-        stack.enter_context(mmdet_swin_export_forwards(dynamic))
-        with torch.no_grad():
-            names = wrapper.output_names(len(wrapper(dummy)))
+    forms = ('split', ) if attention == 'split' else ()
+    with expected_export_warnings(), rewritten(wrapper, runtime, forms), torch.no_grad():
+        names = wrapper.output_names(len(wrapper(dummy)))
         axes = None
         if dynamic:
             axes = {'image': {2: 'height', 3: 'width'}}
@@ -246,10 +224,9 @@ def export_onnx(model: nn.Module, part: str, shape: Tuple[int, int], path: str,
             axes['seg_label'] = {1: 'height', 2: 'width'}
         elif dynamic:
             axes.update({n: {2: f'{n}_h', 3: f'{n}_w'} for n in names})
-        with torch.no_grad():
-            torch.onnx.export(wrapper, (dummy, ), path, input_names=['image'],
-                              output_names=names, dynamic_axes=axes, opset_version=opset,
-                              dynamo=False, do_constant_folding=True)
+        torch.onnx.export(wrapper, (dummy, ), path, input_names=['image'],
+                          output_names=names, dynamic_axes=axes, opset_version=opset,
+                          dynamo=False, do_constant_folding=True)
     fold_weight_paths(path)
     return names
 
@@ -258,50 +235,38 @@ def export_runtime_graphs(model: nn.Module, part: str, shape: Tuple[int, int], o
                           runtimes: Sequence[str], dynamic: bool = False,
                           seg_argmax: bool = False,
                           attention: str = DEFAULT_ATTENTION_LAYOUT) -> Tuple[List[str], dict]:
-    """The graphs of ``runtimes`` (``onnxruntime`` / ``openvino``) in ``out_dir``, each in its
-    runtime's head layout (:data:`~mmslab.models.layers.export_mode.RUNTIME_HEAD_LAYOUTS`):
-    ``model.onnx`` (onnxruntime's graph, or OpenVINO's when onnxruntime is not asked for)
-    and ``openvino/model.xml``. Where the two layouts differ and some window softmax
-    attention takes the ``split`` layout, OpenVINO's IR is converted from a second trace;
-    otherwise from ``model.onnx``. Returns the output names and the attention report of
-    ``export.json`` (:func:`~mmslab.models.layers.window_attention.attention_layout_report`)
-    with ``head_layout``: ``{runtime: head layout}``, ``None`` where no attention has heads
-    to lay out, and ``linear_attention``: ``{runtime: SLA's product forms}`` (window SLA takes
-    the per-head form in a ``token_major`` graph)."""
-    from mmslab.models.layers.export_mode import RUNTIME_HEAD_LAYOUTS
-    from mmslab.models.layers.shift_window import ShiftWindowAttention
-    from mmslab.models.layers.window_attention import attention_layout_report
+    """The graphs of ``runtimes`` (``onnxruntime`` / ``openvino``) in ``out_dir``, each with
+    its runtime's rewrites: ``model.onnx`` (onnxruntime's graph, or OpenVINO's when
+    onnxruntime is not asked for) and ``openvino/model.xml``. In the ``split`` form the two
+    differ, and OpenVINO's IR is converted from a second trace; otherwise from
+    ``model.onnx``. Returns the output names and the attention report of ``export.json``
+    (:func:`~.window_graphs.attention_layout_report`) with ``head_layout``:
+    ``{runtime: head layout}``, ``None`` where no attention has heads to lay out."""
     from .runtimes import RUNTIMES, convert_to_openvino
     unknown = set(runtimes) - set(RUNTIMES)
     if unknown or not runtimes:
         raise ValueError(f'runtimes {list(runtimes)}: choose from {RUNTIMES}')
-    report = attention_layout_report(model, attention, dynamic)
-    token_major_sla = any(isinstance(m, ShiftWindowAttention) and m.w_msa.has_token_major_form
-                          for m in model.modules())
-    has_heads = attention == 'split' and bool(report['split'] or report['mmdet_window_msa'] or
-                                              token_major_sla)
+    report = attention_layout_report(model, attention)
+    has_heads = attention == 'split' and bool(
+        report['split'] or report['mmdet_window_msa'] or report['cropped'])
     layouts = {r: RUNTIME_HEAD_LAYOUTS[r] if has_heads else None for r in runtimes}
-    linear = {r: attention_layout_report(model, attention, dynamic,
-                                         layouts[r] or 'window_major')['linear_attention']
-              for r in runtimes}
     first = 'onnxruntime' if 'onnxruntime' in runtimes else runtimes[0]
     onnx_path = osp.join(out_dir, 'model.onnx')
     kwargs = dict(dynamic=dynamic, seg_argmax=seg_argmax, attention=attention)
-    names = export_onnx(model, part, shape, onnx_path,
-                        head_layout=layouts[first] or 'window_major', **kwargs)
+    names = export_onnx(model, part, shape, onnx_path, runtime=first, **kwargs)
     if 'openvino' in runtimes:
         ov_dir = osp.join(out_dir, 'openvino')
         source = onnx_path
-        if layouts['openvino'] != layouts[first]:
+        if first != 'openvino' and attention == 'split':
             os.makedirs(ov_dir, exist_ok=True)
             source = osp.join(ov_dir, 'model_openvino.onnx')
-            export_onnx(model, part, shape, source, head_layout=layouts['openvino'], **kwargs)
+            export_onnx(model, part, shape, source, runtime='openvino', **kwargs)
         try:
             convert_to_openvino(source, ov_dir)
         finally:
             if source != onnx_path and osp.exists(source):
                 os.remove(source)
-    return names, dict(report, head_layout=layouts, linear_attention=linear)
+    return names, dict(report, head_layout=layouts)
 
 
 #: Layout operators a weight may pass through on its way to a layer.

@@ -26,7 +26,6 @@ from ..layers.builder import build_norm, check_norm_cfg, is_foldable_norm, resol
 from ..layers.reparameterizable import Reparameterizable
 from ..layers.linear_attention import SLA
 from ..layers.patch import PatchEmbed
-from ..layers.export_mode import exporting, symbolic_shapes_enabled
 from .base import (SLAB_NORM_CFG, BackbonePreset, ReparamBackboneMixin, check_bn_stats,
                    freeze_module, init_cfg_from_pretrained, per_stage)
 
@@ -198,9 +197,7 @@ class GlobalSLA(Reparameterizable, PVTAttention):
         self.deploy = deploy
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
-        # graphs: q, k, v as three MatMuls (no split of the 3C channels, as window SLA)
-        qkv = self.kernel.qkv_parts(x) if exporting() else self.kernel.qkv(x)
-        out = self.kernel.attend(qkv, 1, tuple(hw_shape)).reshape(x.shape)
+        out = self.kernel.attend(self.kernel.qkv(x), tuple(hw_shape)).reshape(x.shape)
         return self.kernel.proj_drop(self.kernel.proj(out))
 
     def absorb_input_affine(self, scale: Tensor, shift: Tensor) -> None:
@@ -283,9 +280,9 @@ class AbsolutePositionEmbedding(nn.Module):
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
         pos = self.pos_embed
-        # traced sizes (dynamic-size export) cannot be compared: resize always (a resize to
-        # the same grid is exact)
-        if symbolic_shapes_enabled() or tuple(hw_shape) != tuple(self.pos_shape):
+        # traced sizes cannot be compared: resized always (a resize to the same grid is exact)
+        if not all(isinstance(n, int) for n in hw_shape) or \
+                tuple(hw_shape) != tuple(self.pos_shape):
             grid = pos.reshape(1, *self.pos_shape, -1).permute(0, 3, 1, 2)
             pos = F.interpolate(grid, size=hw_shape, mode='bilinear').flatten(2).transpose(1, 2)
         return self.drop(x + pos)

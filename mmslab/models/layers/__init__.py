@@ -8,7 +8,6 @@ from .linear_attention import SLA, BiNormAttention
 from .patch import PatchEmbed, PatchMerging
 from .repbn import PRepBN, RepBN
 from .shift_window import ShiftWindowAttention
-from .export_mode import export_mode, symbolic_shapes_enabled
 from .token_bn import TokenBN
 from .unified_norm import UN
 from .window_attention import WindowKernelBase, WindowMSA
@@ -20,7 +19,6 @@ __all__ = [
     'get_window_attention', 'is_foldable_norm', 'layer_class', 'Reparameterizable',
     'deploy_children',
     'BlockFFN', 'ChannelIdleFFN', 'SwinFFN', 'SLA', 'BiNormAttention', 'PatchEmbed',
-    'PatchMerging', 'PRepBN', 'RepBN', 'ShiftWindowAttention', 'export_mode',
-    'symbolic_shapes_enabled', 'TokenBN', 'UN',
+    'PatchMerging', 'PRepBN', 'RepBN', 'ShiftWindowAttention', 'TokenBN', 'UN',
     'WindowKernelBase', 'WindowMSA'
 ]

@@ -10,8 +10,7 @@ from mmslab.utils.tensor_state import tensor_state
 from .affine import FoldableNorm, fold_affine_into_next_linear, fold_affine_into_prev
 from .builder import build_norm, is_foldable_norm
 from .reparameterizable import Reparameterizable
-from .export_mode import compiling, symbolic_shapes_enabled
-from .symbolic import ceil_div, graph_size, size_max
+from .symbolic import ceil_div, size_max
 
 
 class _NormFoldingLayer(Reparameterizable, nn.Module):
@@ -67,29 +66,20 @@ class PatchEmbed(_NormFoldingLayer):
         self.deploy = deploy
 
     def forward(self, x: Tensor) -> Tuple[Tensor, Tuple[int, int]]:
-        # Plain ints: traced, `-(-h // s)` would export as ONNX Div, which truncates toward
-        # zero where Python floors, and the padding would be lost (static-shape export).
-        # (Dynamic-size export: traced sizes; they are non-negative, so ceil_div is exact.)
         k, s = self.patch_size, self.stride
         # Channels-last conv output makes the [B, H*W, C] tokens a contiguous view: every
         # later Linear and residual add then runs on contiguous memory. Converted before
         # padding (which keeps the layout): converting the padded image costs more, most of
         # all under torch.compile with a symbolic padding.
         x = x.contiguous(memory_format=torch.channels_last)
-        # (torch.compile: dynamo's symbolic sizes, the same formula without a branch.)
-        if symbolic_shapes_enabled():
-            if self.adaptive_padding:
-                h, w = graph_size(x.shape[-2], x.device), graph_size(x.shape[-1], x.device)
-                pad_h = (ceil_div(h, s) - 1) * s + k - h
-                pad_w = (ceil_div(w, s) - 1) * s + k - w
-                if k < s:  # (never negative otherwise; simpler symbolic sizes downstream)
-                    pad_h, pad_w = size_max(pad_h, 0), size_max(pad_w, 0)
-                x = F.pad(x, (0, pad_w, 0, pad_h))
-        else:
-            h, w = int(x.shape[-2]), int(x.shape[-1])
-            pad_h = max((-(-h // s) - 1) * s + k - h, 0)
-            pad_w = max((-(-w // s) - 1) * s + k - w, 0)
-            if self.adaptive_padding and (pad_h or pad_w):
+        if self.adaptive_padding:
+            # sizes: ints, dynamo's symbolic ints or traced tensors (a graph of free size)
+            h, w = x.shape[-2], x.shape[-1]
+            pad_h = (ceil_div(h, s) - 1) * s + k - h
+            pad_w = (ceil_div(w, s) - 1) * s + k - w
+            if k < s:  # (never negative otherwise; simpler symbolic sizes downstream)
+                pad_h, pad_w = size_max(pad_h, 0), size_max(pad_w, 0)
+            if not (isinstance(pad_h, int) and isinstance(pad_w, int) and pad_h == pad_w == 0):
                 x = F.pad(x, (0, pad_w, 0, pad_h))
         x = self.projection(x)
         b, c, h, w = x.shape
@@ -134,7 +124,7 @@ class PatchMerging(_NormFoldingLayer):
         """``t`` with its last dim (``4*C``) permuted from unfold's ``(C, 2, 2)`` order to
         ``(2, 2, C)``; cached until ``t`` changes (computed in the graph under
         ``torch.compile``, which cannot compare data pointers)."""
-        if compiling():
+        if torch.compiler.is_compiling():
             lead, c4 = t.shape[:-1], t.shape[-1]
             return t.reshape(*lead, c4 // 4, 2, 2).movedim(-3, -1).reshape(*lead, c4)
         key = (tensor_state(t), t.dtype, t.device)
@@ -154,11 +144,11 @@ class PatchMerging(_NormFoldingLayer):
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tuple[Tensor, Tuple[int, int]]:
         b, n, c = x.shape
         h, w = hw_shape
-        if n != h * w:
+        if isinstance(h, int) and n != h * w:
             raise ValueError(f'input has {n} tokens but hw_shape {hw_shape} has {h * w}')
         x = x.view(b, h, w, c)
         offset_major = self._offset_major_ready()
-        if compiling():  # symbolic ints: sizes written as ceilings, no branch
+        if torch.compiler.is_compiling():  # symbolic ints: sizes written as ceilings, no branch
             h2, w2 = ceil_div(h, 2), ceil_div(w, 2)
             x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))
             # The 2x2 offsets as four strided slices, concatenated (offset-major) or stacked
@@ -168,9 +158,7 @@ class PatchMerging(_NormFoldingLayer):
             x = (torch.cat(parts, -1) if offset_major else torch.stack(parts, -1)).reshape(
                 b, h2 * w2, 4 * c)
         else:
-            if symbolic_shapes_enabled():  # traced sizes: pad by 0 or 1 without a branch
-                x = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))
-            elif h % 2 or w % 2:
+            if not isinstance(h, int) or h % 2 or w % 2:  # (traced sizes: no branch)
                 x = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))
             h2, w2 = x.shape[1] // 2, x.shape[2] // 2
             if offset_major:

@@ -8,7 +8,6 @@ from torch import Tensor
 
 from mmslab.registry import register_model
 from .affine import FoldableNorm
-from .symbolic import compiling
 from .token_bn import bn_affine
 
 #: PRepBN decay length (iterations) of the SLAB authors' ImageNet training, the ``step`` of
@@ -185,7 +184,7 @@ class PRepBN(FoldableNorm):
                     'PRepBN is training but nothing sets its schedule. Add '
                     "custom_hooks=[dict(type='ProgressiveNormHook')] to the config, or call "
                     'mmslab.set_progressive_iter(model, it) before each training iteration.')
-            if compiling():
+            if torch.compiler.is_compiling():
                 branch, g = self._compiled_schedule()
             else:
                 g = self.ratio

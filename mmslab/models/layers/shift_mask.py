@@ -7,16 +7,15 @@ four kinds of window (:data:`WINDOW_TYPES`): interior, last column, last row, co
 kind has one ``[N, N]`` mask that does not depend on the map size (:func:`shift_mask_table`).
 
 :func:`shift_window_mask` gives the ``[nW, N, N]`` mask of Swin (mmdet's ``img_mask``) from
-them; graphs with a free size gather the four masks by window kind (:class:`ShiftMaskByType`)
-rather than compare every pair of tokens.
+them, gathered by window kind (:class:`ShiftMaskByType`) rather than built by comparing every
+pair of tokens.
 """
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .export_mode import compiling
 from .symbolic import Size
 
 #: Additive shift-mask value between regions. Swin's (mmdet's) -100 leaves the masked
@@ -53,29 +52,23 @@ def shift_mask_table(wh: int, ww: int, s: int) -> np.ndarray:
 
 
 def window_types(nwh: Size, nww: Size, device=None) -> Tensor:
-    """``[nWh * nWw]`` int64 kind (:data:`WINDOW_TYPES`) of every window, row-major; sizes
-    may be traced tensors or dynamo's symbolic ints."""
-    last_row = (torch.arange(nwh, device=device) == nwh - 1).long().view(-1, 1)
-    last_col = (torch.arange(nww, device=device) == nww - 1).long().view(1, -1)
-    return (last_row * 2 + last_col).reshape(-1)
+    """``[nWh * nWw]`` int64 kind (:data:`WINDOW_TYPES`) of every window, row-major."""
+    last_row = (torch.arange(nwh, device=device) == nwh - 1).long() * 2
+    last_col = (torch.arange(nww, device=device) == nww - 1).long()
+    return (last_row.view(-1, 1) + last_col.view(1, -1)).reshape(-1)
 
 
 class ShiftMaskByType(NamedTuple):
     """The ``[nW, N, N]`` shift mask as ``table[window_type]``: ``table`` ``[4, N, N]``
     (:func:`shift_mask_table`, a constant of the window and shift) and ``window_type``
-    ``[nW]`` (:func:`window_types`, computed from the runtime size).
-
-    What graphs with a free input size carry: a kernel adds its own per-kind terms before
-    the gather (:meth:`~mmslab.models.layers.window_attention.WindowMSA` gathers position
-    bias + mask per kind), so the graph holds one gather where the mask built from token
-    regions took a comparison and a select over ``nW * N * N`` elements and one more pass to
-    add the bias, a sizeable share of a shifted block's time in onnxruntime."""
+    ``[nW]`` (:func:`window_types`, from the map size). A kernel adds its own per-kind terms
+    before the gather (``WindowMSA`` gathers position bias + mask per kind): one gather
+    where a mask built from token regions takes a comparison and a select over
+    ``nW * N * N`` elements. ``key``: the padded map's ``(hp, wp)`` where they are Python
+    ints (what a kernel may cache the gathered terms under), else None."""
     table: Tensor
     window_type: Tensor
-
-    @property
-    def num_windows(self):
-        return self.window_type.shape[0]
+    key: Optional[tuple] = None
 
     def dense(self) -> Tensor:
         """``[nW, N, N]``."""
@@ -88,28 +81,18 @@ class ShiftMaskByType(NamedTuple):
 
 def shift_mask_by_type(hp: Size, wp: Size, wh: int, ww: int, s: int, dtype=torch.float32,
                        device=None) -> ShiftMaskByType:
-    """:func:`shift_window_mask` of a ``hp x wp`` padded map (multiples of the window; sizes
-    may be traced) as a :class:`ShiftMaskByType`; window and shift are Python ints."""
+    """The shift mask of a cyclic shift by ``s`` on a ``hp x wp`` padded map (multiples of
+    the ``wh x ww`` window) as a :class:`ShiftMaskByType`; window and shift are ints."""
+    if not all(isinstance(v, int) for v in (wh, ww, s)):
+        raise TypeError(f'shift mask: window ({wh}, {ww}) and shift {s} must be Python ints; '
+                        'only the map size (hp, wp) may be traced')
     table = torch.from_numpy(shift_mask_table(wh, ww, s)).to(device=device, dtype=dtype)
-    return ShiftMaskByType(table, window_types(hp // wh, wp // ww, device))
+    key = (hp, wp) if isinstance(hp, int) and isinstance(wp, int) else None
+    return ShiftMaskByType(table, window_types(hp // wh, wp // ww, device), key)
 
 
 def shift_window_mask(hp: Size, wp: Size, wh: int, ww: int, s: int, device=None) -> Tensor:
     """``[nW, N, N]`` additive mask (0 / :data:`SHIFT_MASK_FILL`) that keeps the regions a
     cyclic shift by ``s`` wrapped around a padded ``hp x wp`` map from attending to each
-    other (Swin's ``img_mask``), windows row-major: each window's mask of its kind.
-
-    Python int map sizes give a constant built in numpy, so an exported graph holds it as one
-    initializer; traced (tensor) map sizes and ``torch.compile`` give a graph that gathers
-    the four kinds' masks (:class:`ShiftMaskByType`). Window and shift are Python ints.
-    """
-    if not all(isinstance(v, int) for v in (wh, ww, s)):
-        raise TypeError(f'shift_window_mask: window ({wh}, {ww}) and shift {s} must be Python '
-                        'ints; only the map size (hp, wp) may be traced')
-    # (dynamo reports its symbolic sizes as ints: under torch.compile, always graph ops)
-    if compiling() or not (isinstance(hp, int) and isinstance(wp, int)):
-        return shift_mask_by_type(hp, wp, wh, ww, s, device=device).dense()
-    nwh, nww = hp // wh, wp // ww
-    # window_types in numpy: 2 * (last window row) + (last window column)
-    kind = 2 * (np.arange(nwh) == nwh - 1)[:, None] + (np.arange(nww) == nww - 1)[None, :]
-    return torch.from_numpy(shift_mask_table(wh, ww, s)[kind.reshape(-1)]).to(device)
+    other (Swin's ``img_mask``), windows row-major."""
+    return shift_mask_by_type(hp, wp, wh, ww, s, device=device).dense()
