@@ -446,22 +446,26 @@ def shifted_sla_reference(attn, x, hw):
 
 
 @pytest.mark.parametrize('shift', [False, True])
-@pytest.mark.parametrize('sizes,window', [('ints', 8), ('traced', 8), ('traced', 7)])
-def test_sla_windows_cropped_to_their_valid_span_match_the_padded_formula(shift, sizes,
-                                                                         window):
+@pytest.mark.parametrize('sizes,window', [('ints', 8), ('traced', 8), ('traced', 7),
+                                          ('padded', 8), ('padded', 7)])
+def test_sla_windows_of_padded_maps_match_the_padded_formula(shift, sizes, window):
     """The windows of padded maps are computed cropped to their valid tokens, in four
     groups (``cropped_windows``), from Python int sizes (eager) or sizes as tensors (what
-    tracing records: the graph computes the groups): the padded formula's numbers on maps
-    whose shifted windows start with padding, wrap with a padded gap between their two
-    valid parts, end in a partial window, or fit in one window along one axis; odd windows
-    (shift ``(w - 1) / 2``) too."""
+    tracing records: the graph computes the groups), or (a GPU, torch.compile) padded, the
+    padded slots masked: the padded formula's numbers on maps whose shifted windows start
+    with padding, wrap with a padded gap between their two valid parts, end in a partial
+    window, or fit in one window along one axis; odd windows (shift ``(w - 1) / 2``) too."""
     torch.manual_seed(7)
     attn = ShiftWindowAttention(16, 2, window, shift=shift, attn_type='sla').double()
     nn.init.normal_(attn.w_msa.positional_encoding, std=0.5)
     nn.init.normal_(attn.w_msa.dwc.weight, std=0.5)
     for hw in [(12, 12), (23, 31), (17, 8), (5, 30), (16, 11), (19, 6)]:
         x = torch.randn(2, hw[0] * hw[1], 16, dtype=torch.float64)
-        out = attn(x, tuple(torch.tensor(v) for v in hw) if sizes == 'traced' else hw)
+        if sizes == 'padded':
+            lay = attn._layout(*hw, x.device, cropped=False)
+            out = attn.w_msa.proj(attn._attend_padded(x, lay))
+        else:
+            out = attn(x, tuple(torch.tensor(v) for v in hw) if sizes == 'traced' else hw)
         for b in range(2):
             assert rel_err(out[b], shifted_sla_reference(attn, x[b], hw)) <= 1e-10
 

@@ -6,6 +6,7 @@ as listed in :class:`ReparamPVT`). Attention runs on ``scaled_dot_product_attent
 of ``nn.MultiheadAttention``.
 """
 import copy
+import functools
 import math
 from typing import Optional, Sequence, Tuple
 
@@ -22,7 +23,8 @@ from torch import Tensor
 from mmslab.registry import register_model
 from ..layers.affine import (FoldableNorm, fold_affine_into_next_conv,
                              fold_affine_into_next_linear, fold_affine_into_weight)
-from ..layers.builder import build_norm, check_norm_cfg, is_foldable_norm, resolve_layer_type
+from ..layers.builder import (build_norm, build_window_attention, check_norm_cfg,
+                              get_window_attention, is_foldable_norm, resolve_layer_type)
 from ..layers.reparameterizable import Reparameterizable
 from ..layers.linear_attention import SLA
 from ..layers.patch import PatchEmbed
@@ -60,8 +62,17 @@ class PVTAttention(nn.Module):
 
 
 def get_pvt_attention(attn_type):
-    """``'softmax'`` / ``'sla'`` / a registered :class:`PVTAttention` / a class -> the class."""
-    return resolve_layer_type(attn_type, PVTAttention, PVT_ATTENTION_ALIASES, 'attention type')
+    """``'softmax'`` / ``'sla'`` / a registered :class:`PVTAttention` / a class -> the class;
+    a window attention kernel (Swin's ``attn_types``) -> :class:`GlobalAttention` of it."""
+    try:
+        return resolve_layer_type(attn_type, PVTAttention, PVT_ATTENTION_ALIASES,
+                                  'attention type')
+    except ValueError as pvt_error:
+        try:
+            kernel = get_window_attention(attn_type)
+        except ValueError:
+            raise pvt_error from None
+        return functools.partial(GlobalAttention, kernel=kernel)
 
 
 @register_model()
@@ -158,30 +169,31 @@ class SpatialReductionAttention(Reparameterizable, PVTAttention):
 
 
 @register_model()
-class GlobalSLA(Reparameterizable, PVTAttention):
-    """SLA over the whole feature map (no spatial reduction), for SLAB-PVT stages.
+class GlobalAttention(Reparameterizable, PVTAttention):
+    """A window attention kernel over the whole feature map, as one window (no spatial
+    reduction): the PVT slot of every kernel Swin's windows take (``attn_types``).
 
-    The positional encoding is learned for the pre-training ``grid`` and bilinearly resized to
-    the input's grid whenever the two differ (smaller or larger, like PVT's absolute position
-    embedding). ``sr_ratio`` and ``attn_drop`` do not apply (no reduction, no softmax; the
-    SLAB authors' SLA-PVT stages ignore them too); ``norm_cfg`` tells whether the block's norm
-    is folded into ``qkv`` in deploy form (which then has a bias). That fold is the
-    :class:`PVTBlock`'s; the switch of this module has nothing of its own to fuse.
+    ``sr_ratio`` and ``attn_drop`` do not apply (no reduction; a softmax kernel keeps its own
+    options); ``norm_cfg`` tells whether the block's norm is folded into ``qkv`` in deploy
+    form (which then has a bias). That fold is the :class:`PVTBlock`'s.
 
     Args:
         embed_dims (int): The feature dimension.
         num_heads (int): Parallel attention heads.
         sr_ratio (int): Ignored (no spatial reduction). Default: 1.
-        grid (tuple[int, int], optional): The token grid the positional encoding is learned
-            on (the pre-training grid; :class:`ReparamPVT` passes it). Required in fact: the
-            default only completes the common signature. Default: None.
+        grid (tuple[int, int], optional): The pre-training token grid: the kernel's window
+            (:class:`ReparamPVT` passes it). Required in fact: the default only completes the
+            common signature. Default: None.
         qkv_bias (bool): Bias in the q, k, v projection. Default: True.
-        attn_drop (float): Ignored (no softmax weights to drop). Default: 0.0.
+        attn_drop (float): Ignored. Default: 0.0.
         proj_drop (float): Dropout rate after the output projection. Default: 0.0.
         norm_cfg (dict, optional): The kind of the block's norm: a foldable one gives ``qkv``
             a bias in deploy form. Default: None (LayerNorm).
         deploy (bool): Build the fused structure (see :func:`mmslab.reparameterize`).
             Default: False.
+        kernel (str | type): The window kernel, a registered
+            :class:`~mmslab.models.layers.window_attention.WindowKernelBase`. Default: 'SLA'.
+        kernel_cfg (dict, optional): Further arguments of the kernel. Default: None.
     """
 
     needs_eval_mode = False
@@ -189,11 +201,13 @@ class GlobalSLA(Reparameterizable, PVTAttention):
     def __init__(self, embed_dims: int, num_heads: int, sr_ratio: int = 1,
                  grid: Optional[Tuple[int, int]] = None, qkv_bias: bool = True,
                  attn_drop: float = 0.0, proj_drop: float = 0.0,
-                 norm_cfg: Optional[dict] = None, deploy: bool = False):
+                 norm_cfg: Optional[dict] = None, deploy: bool = False, kernel='SLA',
+                 kernel_cfg: Optional[dict] = None):
         super().__init__()
         fold = deploy and is_foldable_norm(norm_cfg or dict(type='LN'))
-        self.kernel = SLA(embed_dims, num_heads, grid, qkv_bias=qkv_bias or fold,
-                          proj_drop=proj_drop, resize_pos=True)
+        self.kernel = build_window_attention(
+            kernel, embed_dims=embed_dims, num_heads=num_heads, window_size=grid,
+            qkv_bias=qkv_bias or fold, proj_drop=proj_drop, deploy=deploy, **(kernel_cfg or {}))
         self.deploy = deploy
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
@@ -204,7 +218,26 @@ class GlobalSLA(Reparameterizable, PVTAttention):
         self.kernel.qkv = fold_affine_into_next_linear(self.kernel.qkv, scale, shift)
 
     def _switch_to_deploy(self) -> None:
-        self.kernel.switch_to_deploy()
+        if hasattr(self.kernel, 'switch_to_deploy'):
+            self.kernel.switch_to_deploy()
+
+
+@register_model()
+class GlobalSLA(GlobalAttention):
+    """SLA over the whole feature map, for SLAB-PVT stages (:class:`GlobalAttention`): its
+    positional encoding is learned for the pre-training ``grid`` and bilinearly resized to the
+    input's grid whenever the two differ (smaller or larger, like PVT's absolute position
+    embedding), as the SLAB authors' SLA-PVT stages do.
+
+    Args: those of :class:`GlobalAttention` but ``kernel`` and ``kernel_cfg``.
+    """
+
+    def __init__(self, embed_dims: int, num_heads: int, sr_ratio: int = 1,
+                 grid: Optional[Tuple[int, int]] = None, qkv_bias: bool = True,
+                 attn_drop: float = 0.0, proj_drop: float = 0.0,
+                 norm_cfg: Optional[dict] = None, deploy: bool = False):
+        super().__init__(embed_dims, num_heads, sr_ratio, grid, qkv_bias, attn_drop, proj_drop,
+                         norm_cfg, deploy, kernel=SLA, kernel_cfg=dict(resize_pos=True))
 
 
 class MixFFN(nn.Module):

@@ -79,7 +79,8 @@ class PatchEmbed(_NormFoldingLayer):
             pad_w = (ceil_div(w, s) - 1) * s + k - w
             if k < s:  # (never negative otherwise; simpler symbolic sizes downstream)
                 pad_h, pad_w = size_max(pad_h, 0), size_max(pad_w, 0)
-            if not (isinstance(pad_h, int) and isinstance(pad_w, int) and pad_h == pad_w == 0):
+            # (compiled: always, so that no guard on the sizes recompiles the graph)
+            if torch.compiler.is_compiling() or not isinstance(pad_h, int) or pad_h or pad_w:
                 x = F.pad(x, (0, pad_w, 0, pad_h))
         x = self.projection(x)
         b, c, h, w = x.shape

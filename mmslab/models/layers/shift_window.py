@@ -10,13 +10,15 @@ Where the windows do not tile the map, the padding is handled by what the kernel
 
 * a kernel whose padded tokens take part (softmax ``WindowMSA``: a padded token is a zero
   *normalized* token, as in mmdet's Swin) runs on the padded windows;
-* a kernel that excludes padded tokens (``masks_padding``: SLA, BiNorm) runs on the windows
-  cropped to the spans that hold valid tokens, in four groups of equal span (interior
-  windows, last window column, last window row, corner). Its outputs do not depend on the
-  padding, so cropping computes the same numbers without the padded slots' work (at 512x512
-  SLAB-Swin-T's first stage has 16384 tokens in 28224 padded window slots), in every
-  runtime alike. Kernels with a position-dependent part (SLA's positional encoding and
-  DWC) receive where the span starts in its window (``origin``).
+* a kernel that excludes padded tokens (``masks_padding``: SLA, BiNorm) gives the same
+  numbers on the padded windows, the padded slots masked, and on the windows cropped to the
+  spans that hold valid tokens, in four groups of equal span (interior windows, last window
+  column, last window row, corner): cropped on the CPU and in exported graphs, where time is
+  arithmetic (at 512x512 SLAB-Swin-T's first stage has 16384 tokens in 28224 padded window
+  slots), padded on a GPU, where it is kernel launches, and under ``torch.compile``, which
+  would recompile for cropped spans of size 1. Kernels with a position-dependent part
+  (SLA's positional encoding and DWC) receive where a span starts in its window
+  (``origin``).
 """
 from typing import Tuple
 
@@ -182,29 +184,25 @@ class ShiftWindowAttention(nn.Module):
         self.shift_size = window_size // 2 if shift else 0
         self._layouts = {}  # per eager input size; bounded (see _layout)
 
-    def _layout(self, h: Size, w: Size, device) -> dict:
-        """The window maps of an ``h x w`` map: :func:`cropped_windows` for kernels that mask
-        padding, :func:`padded_windows` (+ the shift mask) for the others. Kept per size for
-        eager runs (up to 16 sizes), computed in the graph otherwise."""
+    def _layout(self, h: Size, w: Size, device, cropped: bool = False) -> dict:
+        """The window maps of an ``h x w`` map: :func:`cropped_windows` or
+        :func:`padded_windows` (+ the shift mask). Kept per size for eager runs (up to 16
+        sizes), computed in the graph otherwise."""
         eager = isinstance(h, int) and isinstance(w, int) and \
             not torch.compiler.is_compiling()
-        key = (h, w, str(device))
+        key = (h, w, str(device), cropped)
         if eager and key in self._layouts:
             return self._layouts[key]
         wh, ww = self.window_size
         s = self.shift_size
         if self.w_msa.masks_padding:
-            fits = (h <= wh) & (w <= ww) if is_traced(h) else h <= wh and w <= ww
-            shrunk = fits & ((h != wh) | (w != ww)) if is_traced(h) else \
-                fits and (h, w) != (wh, ww)
-            s = select(shrunk, 0, s) if s else 0
-            make = cropped_windows
-        else:
-            make = padded_windows
+            # a map that fits in one window takes no shift (a full window keeps it)
+            if s:
+                s = select((h <= wh) & (w <= ww) & ((h != wh) | (w != ww)), 0, s)
         # plain tensors even when first made in inference mode: a model evaluated under
         # torch.inference_mode and trained afterwards reuses them in autograd
         with torch.inference_mode(False):
-            lay = make(h, w, wh, ww, s, device)
+            lay = (cropped_windows if cropped else padded_windows)(h, w, wh, ww, s, device)
             if not self.w_msa.masks_padding and s and self.w_msa.uses_shift_mask:
                 hp, wp = lay['padded']
                 lay['shift_mask'] = shift_mask_by_type(hp, wp, wh, ww, s, device=device)
@@ -222,12 +220,19 @@ class ShiftWindowAttention(nn.Module):
     def forward(self, x: Tensor, hw_shape: Tuple[Size, Size]) -> Tensor:
         """``[B, H*W, C]`` -> ``[B, H*W, C]``."""
         h, w = hw_shape
-        if isinstance(h, int) and isinstance(w, int) and x.shape[1] != h * w:
+        if not torch.compiler.is_compiling() and isinstance(h, int) and isinstance(w, int) \
+                and x.shape[1] != h * w:
             raise ValueError(f'input has {x.shape[1]} tokens but hw_shape {hw_shape} '
                              f'has {h * w}')
         kernel = self.w_msa
-        lay = self._layout(h, w, x.device)
-        if not kernel.masks_padding:
+        # Kernels that mask padding: cropped windows on the CPU, whose time is arithmetic
+        # (and in exports); padded ones on a GPU, whose time is kernel launches (one call for
+        # every window where the cropped groups take four), and under torch.compile (the
+        # cropped spans' sizes can be 1, which dynamo would specialize and recompile).
+        cropped = kernel.masks_padding and x.device.type == 'cpu' and \
+            not torch.compiler.is_compiling()
+        lay = self._layout(h, w, x.device, cropped)
+        if not cropped:
             out = self._attend_padded(x, lay)
         elif self.runs_in_chunks(x, hw_shape):
             return self._forward_in_chunks(x, lay['groups'])
@@ -237,7 +242,8 @@ class ShiftWindowAttention(nn.Module):
 
     def _attend_padded(self, x: Tensor, lay: dict) -> Tensor:
         """The kernel on every padded window; padded slots hold what a zero normalized token
-        gives after ``qkv`` (:meth:`WindowKernelBase.padded_qkv`)."""
+        gives after ``qkv`` (:meth:`WindowKernelBase.padded_qkv`), zeros for a kernel that
+        masks padding (which gets the windows' ``valid`` slots)."""
         kernel = self.w_msa
         b, c = x.shape[0], kernel.embed_dims
         n = self.window_size[0] * self.window_size[1]
@@ -255,7 +261,8 @@ class ShiftWindowAttention(nn.Module):
             row = pad.to(tokens.dtype).view(1, 1, -1).expand(b, 1, -1)
             windows = torch.cat([tokens, row], dim=1).index_select(1, lay['gather'])
         out = kernel.attend(windows.view(-1, n, 3 * c), self.window_size,
-                            shift_mask=lay.get('shift_mask'))
+                            shift_mask=lay.get('shift_mask'),
+                            valid=lay['valid'] if kernel.masks_padding else None)
         return out.reshape(b, -1, c).index_select(1, lay['slot'])
 
     def _attend_cropped(self, x: Tensor, lay: dict) -> Tensor:

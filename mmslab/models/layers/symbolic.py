@@ -35,7 +35,10 @@ def size_max(n: Size, m: int) -> Size:
 
 
 def select(cond, a: Size, b: Size) -> Size:
-    """``a if cond else b``, recorded as a ``Where`` when ``cond`` is traced."""
+    """``a if cond else b`` without a Python branch on a traced (``Where``) or symbolic
+    (``sym_ite``: no guard, so no recompilation when it flips) ``cond``."""
     if isinstance(cond, Tensor):
         return torch.where(cond, a, b)
+    if isinstance(cond, torch.SymBool):
+        return torch.sym_ite(cond, a, b)
     return a if cond else b
