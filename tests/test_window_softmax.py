@@ -1,10 +1,10 @@
-"""Window softmax attention: the model's computation (PyTorch's fused attention) and the
-exported graphs' form (matmul, softmax, matmul) equal an explicit softmax."""
+"""Window softmax attention: the model's computation (PyTorch's fused attention) equals an
+explicit softmax, and so does the ``split`` graph form in both head layouts."""
 
 import pytest
 import torch
 
-from mmslab.deploy.window_graphs import window_msa_attend
+from mmslab.deploy.window_graphs import _attend_padded_split
 from mmslab.models.layers.shift_window import ShiftWindowAttention
 
 
@@ -24,9 +24,8 @@ def explicit_window_attention(qkv, heads, scale, bias, mask):
     return out
 
 
-@pytest.mark.parametrize('form', ['model', 'graph'])
 @pytest.mark.parametrize('shift', [False, True])
-def test_each_form_matches_explicit_softmax(form, shift):
+def test_window_attention_matches_explicit_softmax(shift):
     torch.manual_seed(0)
     attn = ShiftWindowAttention(24, 3, 4, shift=shift).eval()
     torch.nn.init.normal_(attn.w_msa.relative_position_bias_table, std=0.5)
@@ -34,12 +33,27 @@ def test_each_form_matches_explicit_softmax(form, shift):
     h, w = 8, 8  # two windows per side, no padding: the layout is a plain partition + roll
     layout = attn._layout(h, w, torch.device('cpu'))
     qkv = torch.randn(2 * layout['num_windows'], 16, 72)
-    attend = kernel.attend if form == 'model' else \
-        (lambda *a, **k: window_msa_attend(kernel, *a, **k))
     mask = layout.get('shift_mask')
     with torch.no_grad():
-        ours = attend(qkv, (4, 4), shift_mask=mask)
+        ours = kernel.attend(qkv, (4, 4), shift_mask=mask)
     dense = None if mask is None else mask.dense()
     ref = explicit_window_attention(qkv, 3, kernel.scale, kernel.position_bias(), dense)
     torch.testing.assert_close(ours.reshape(ref.shape), ref, rtol=1e-5, atol=1e-5)
     assert (mask is not None and (dense < 0).any()) == shift
+
+
+@pytest.mark.parametrize('head_layout', ['window_major', 'token_major'])
+@pytest.mark.parametrize('shift', [False, True])
+def test_split_form_equals_the_model(shift, head_layout):
+    """On a padded map (one image, as exports take): the windows gathered from the tokens
+    plus the padded token, q, k, v as three MatMuls in each head layout."""
+    torch.manual_seed(1)
+    attn = ShiftWindowAttention(24, 3, 4, shift=shift).eval()
+    torch.nn.init.normal_(attn.w_msa.relative_position_bias_table, std=0.5)
+    torch.nn.init.normal_(attn.w_msa.qkv.bias, std=0.5)
+    x = torch.randn(1, 10 * 7, 24)
+    lay = attn._layout(10, 7, torch.device('cpu'))
+    with torch.no_grad():
+        ref = attn._attend_padded(x, lay)
+        out = _attend_padded_split(attn, x, lay, head_layout)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

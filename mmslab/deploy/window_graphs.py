@@ -1,24 +1,21 @@
-"""The window attention kernels' graph forms (rewrites, see :mod:`.rewriters`).
+"""The window attention kernels' graph forms: rewrites (:mod:`.rewriters`) of the ``split``
+form, the default of ``tools/export_onnx.py`` (``--attention packed`` turns them off), in
+which q, k and v are three MatMuls.
 
-Every export:
-
-* ``WindowMSA.attend``: matmul, the position bias (+ shift mask) added by broadcast over the
-  images, softmax, matmul: plain operators each runtime fuses its own way, with no
-  ``[B*nW, heads, N, N]`` mask materialized in the graph.
-
-The ``split`` form (``tools/export_onnx.py --attention split``, the default; ``packed``
-turns it off), per runtime:
-
-* window softmax attention gathers its windows from the ``C``-channel tokens (a third of
-  ``qkv``'s output) and runs q, k, v as three MatMuls with the scale folded into q's weights,
-  in the runtime's head layout (:data:`RUNTIME_HEAD_LAYOUTS`): ``window_major``, the
-  standard multi-head transposes of each output, which OpenVINO fuses into its attention
-  kernel; ``token_major``, one transpose of the windows to ``[N, B', C]`` and permutations
-  that onnxruntime folds into its products (``FusedMatMul`` with ``transBatch``);
-* in onnxruntime's graph SLA gathers its windows token-major too, its per-head products
+* Window softmax attention (onnxruntime, OpenVINO) gathers its windows from the
+  ``C``-channel tokens (a third of ``qkv``'s output) and projects q, k, v there, the scale
+  folded into q's weights, in the runtime's head layout (:data:`RUNTIME_HEAD_LAYOUTS`):
+  ``window_major``, the multi-head transposes OpenVINO fuses into its attention kernel;
+  ``token_major``, one transpose of the windows to ``[N, B', C]`` and permutations that
+  onnxruntime folds into its products (``FusedMatMul`` with ``transBatch``).
+* SLA (onnxruntime) gathers its cropped windows token-major, its per-head products
   transposed so that onnxruntime folds the permutations.
+* Kernels that mask padding (OpenVINO) project each group of cropped windows by q, k and
+  v's own MatMuls, with no split of the ``3C`` channels.
 
-Which graph each export holds is recorded in ``export.json`` (:func:`attention_layout_report`).
+What each pays, side by side on whole backbones (onnxruntime 1.32.0, OpenVINO 2026.4.1,
+NNCF 3.4.0), is in docs/benchmarks.md; ``export.json`` records the form of each export
+(:func:`attention_layout_report`).
 """
 from typing import Optional, Tuple
 
@@ -34,9 +31,7 @@ from mmslab.models.layers.window_attention import WindowKernelBase, WindowMSA
 from .rewriters import register_rewriter
 
 ATTENTION_LAYOUTS = ('packed', 'split')
-HEAD_LAYOUTS = ('window_major', 'token_major')
-#: The head layout of each runtime's ``split`` graph, measured with onnxruntime 1.32.0 and
-#: OpenVINO 2026.4.1 (docs/benchmarks.md).
+#: The head layout of each runtime's ``split`` graph.
 RUNTIME_HEAD_LAYOUTS = dict(onnxruntime='token_major', openvino='window_major')
 
 
@@ -47,20 +42,15 @@ def check_attention_layout(layout: str) -> str:
     return layout
 
 
-@register_rewriter(WindowMSA, 'attend')
-def window_msa_attend(self: WindowMSA, qkv: Tensor, window_hw, shift_mask=None, valid=None,
-                      origin=(0, 0)) -> Tensor:
-    n = window_hw[0] * window_hw[1]
-    q, k, v = qkv.reshape(-1, n, 3, self.num_heads, self.head_dims).permute(2, 0, 3, 1, 4) \
-        .unbind(0)
-    attn = (q * self.scale) @ k.transpose(-2, -1)  # [B*nW, heads, N, N]
-    bias = self.attention_bias(shift_mask, attn.dtype)
+def bias_by_kind(kernel: WindowMSA, shift_mask, dtype: torch.dtype) -> Tensor:
+    """``[1 | nW, heads, N, N]``: the position bias (+ the shift mask), each of the four
+    kinds of window taking bias + mask in one gather: where a mask built from the map is a
+    comparison and a select over ``nW * N * N`` elements and one more pass to add the bias,
+    a sizeable share of a shifted block's time in onnxruntime."""
+    bias = kernel.position_bias().to(dtype).unsqueeze(0)
     if shift_mask is None:
-        attn = attn + bias[0]
-    else:
-        attn = (attn.reshape(-1, bias.shape[0], self.num_heads, n, n) + bias)
-        attn = attn.reshape(-1, self.num_heads, n, n)
-    return (attn.softmax(dim=-1) @ v).transpose(1, 2).reshape(-1, n, self.embed_dims)
+        return bias
+    return shift_mask.gather(bias + shift_mask.table.to(dtype).unsqueeze(1))
 
 
 def padded_token(kernel: WindowKernelBase) -> Optional[Tensor]:
@@ -124,7 +114,7 @@ def _attend_padded_split(self: ShiftWindowAttention, x: Tensor, lay: dict,
     # Exports take one image, so B' = nW and the [nW, heads, N, N] bias adds as is:
     # MatMul -> Add -> Softmax -> MatMul, with no reshape for runtimes to fuse over (a batch
     # of several images fails on the shapes, never silently).
-    bias = kernel.attention_bias(lay.get('shift_mask'), attn.dtype)
+    bias = bias_by_kind(kernel, lay.get('shift_mask'), attn.dtype)
     out = (attn + (bias[0] if 'shift_mask' not in lay else bias)).softmax(dim=-1) @ v
     out = out.transpose(1, 2).reshape(b, -1, c)
     return out.index_select(1, lay['slot'])
@@ -192,6 +182,28 @@ def sla_token_major(self: SLA, qkv: Tuple[Tensor, Tensor, Tensor], window_hw,
                    None if b is None else b.repeat(h), padding=self.dwc.padding, groups=c)
     out = num / den + dwc.reshape(-1, h, d, n)
     return out.reshape(-1, c, n).transpose(1, 2)
+
+
+@register_rewriter(ShiftWindowAttention, '_attend_cropped', ['openvino'], form='split')
+def _attend_cropped_three_products(self: ShiftWindowAttention, x: Tensor, lay: dict) -> Tensor:
+    """Each group of cropped windows gathered from the ``C``-channel tokens and projected
+    there by q, k and v's own MatMuls (no split of the ``3C`` channels)."""
+    kernel = self.w_msa
+    c = kernel.embed_dims
+    weights = kernel.qkv.weight.t().split(c, dim=1)  # one initializer each, for every group
+    biases = (None, ) * 3 if kernel.qkv.bias is None else kernel.qkv.bias.split(c)
+    outs = []
+    for group in lay['groups']:
+        n = group['hw'][0] * group['hw'][1]
+        slots = x.index_select(1, group['gather'])
+        q, k, v = (slots @ w if b is None else slots @ w + b for w, b in zip(weights, biases))
+        valid = group['valid'] if self.shift_size else None
+        if valid is not None:
+            v = v * valid.reshape(1, -1, 1).to(v.dtype)
+        out = kernel.attend(tuple(t.reshape(-1, n, c) for t in (q, k, v)), group['hw'],
+                            valid=valid, origin=group['origin'])
+        outs.append(out.reshape(x.shape[0], -1, c))
+    return torch.cat(outs, dim=1).index_select(1, lay['slot'])
 
 
 def foreign_window_msa_classes() -> tuple:

@@ -25,7 +25,7 @@ from .symbolic import is_traced
 from .window_attention import WindowKernelBase
 
 
-def _key_sum(k: Tensor, valid: Optional[Tensor]) -> Tensor:
+def key_sum(k: Tensor, valid: Optional[Tensor]) -> Tensor:
     """``[B', N, C]`` keys -> ``[B', 1, C]``, their sum over the window's valid tokens (a
     padded slot's key is ``relu(0 + p)``, not 0, so padding needs the mask). A masked sum
     rather than a product with the mask: OpenVINO then keeps ``K^T V`` on the quantized keys
@@ -138,7 +138,7 @@ class SLA(Reparameterizable, WindowKernelBase):
             q = F.relu(q.to(dtype))
             k = F.relu(k.to(dtype) + pos.to(dtype))
             v = v.to(dtype)
-            z = _key_sum(k, valid)  # [B', 1, C]
+            z = key_sum(k, valid)  # [B', 1, C]
             kv = _split_heads(k, h).transpose(-2, -1) @ _split_heads(v, h)  # [B', h, d, d]
             # numerator and normalizer from one product: q [S | z]
             s_z = torch.cat([kv, z.view(bw, h, d, 1)], dim=-1)  # [B', h, d, d + 1]

@@ -164,11 +164,10 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
         self._mask_cache = {}
 
     def attention_bias(self, shift_mask, dtype: torch.dtype) -> Tensor:
-        """``[1 | nW, heads, N, N]``: the position bias (+ each window's shift mask, whose
-        four kinds of window take bias + mask in one gather)."""
+        """``[1 | nW, heads, N, N]``: the position bias (+ each window's shift mask)."""
         bias = self.position_bias().to(dtype).unsqueeze(0)
         if shift_mask is not None:
-            bias = shift_mask.gather(bias + shift_mask.table.to(dtype).unsqueeze(1))
+            bias = bias + shift_mask.dense().to(dtype).unsqueeze(1)
         return bias
 
     def _attn_mask(self, shift_mask, bw: int, dtype: torch.dtype) -> Tensor:
@@ -177,8 +176,8 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
         falls back to its slow path). In eager deploy mode it is a constant, kept for the
         last 8 batch and map sizes while the bias is unchanged."""
         key = None
-        if self.deploy and not torch.compiler.is_compiling() and \
-                (shift_mask is None or shift_mask.key is not None):
+        if self.deploy and isinstance(bw, int) and not torch.compiler.is_compiling() and \
+                not torch.jit.is_tracing() and (shift_mask is None or shift_mask.key is not None):
             key = (bw, None if shift_mask is None else shift_mask.key, dtype,
                    tensor_state(self.relative_position_bias))
             mask = self._mask_cache.get(key)
