@@ -135,7 +135,7 @@ def test_swin_block(norm, attn, ffn, qkv_bias):
 
 
 @pytest.mark.parametrize('norm,attn,sr_ratio,qkv_bias', itertools.product(
-    NORMS, ['softmax', 'sla'], [1, 2], [True, False]))
+    NORMS, ['softmax', 'sla', 'binorm'], [1, 2], [True, False]))
 def test_pvt_block(norm, attn, sr_ratio, qkv_bias):
     def build(deploy):
         return PVTBlock(C, 2, 2 * C, sr_ratio, attn, (4, 4), qkv_bias, 0.0, 0.0, 0.0, None,
@@ -179,7 +179,7 @@ def all_grid_modules():
         built += [PatchEmbed(3, C, 4, 4, cfg), PatchMerging(C, 2 * C, cfg)]
     for attn, ffn in itertools.product(['window', 'sla', 'binorm'], ['mlp', 'channel_idle']):
         built.append(SwinBlock(C, 2, 2 * C, window_size=4, attn_type=attn, ffn_type=ffn))
-    for attn, sr in itertools.product(['softmax', 'sla'], [1, 2]):
+    for attn, sr in itertools.product(['softmax', 'sla', 'binorm'], [1, 2]):
         built.append(PVTBlock(C, 2, 2 * C, sr, attn, (4, 4), True, 0., 0., 0., None,
                               dict(type='LN')))
     built += [tiny_backbone(n, 'LN', True, False) for n in registered_backbones()]

@@ -194,15 +194,9 @@ def _attend_cropped_three_products(self: ShiftWindowAttention, x: Tensor, lay: d
     biases = (None, ) * 3 if kernel.qkv.bias is None else kernel.qkv.bias.split(c)
     outs = []
     for group in lay['groups']:
-        n = group['hw'][0] * group['hw'][1]
         slots = x.index_select(1, group['gather'])
-        q, k, v = (slots @ w if b is None else slots @ w + b for w, b in zip(weights, biases))
-        valid = group['valid'] if self.shift_size else None
-        if valid is not None:
-            v = v * valid.reshape(1, -1, 1).to(v.dtype)
-        out = kernel.attend(tuple(t.reshape(-1, n, c) for t in (q, k, v)), group['hw'],
-                            valid=valid, origin=group['origin'])
-        outs.append(out.reshape(x.shape[0], -1, c))
+        qkv = [slots @ w if b is None else slots @ w + b for w, b in zip(weights, biases)]
+        outs.append(self._attend_group(qkv, group, group['valid']).reshape(x.shape[0], -1, c))
     return torch.cat(outs, dim=1).index_select(1, lay['slot'])
 
 

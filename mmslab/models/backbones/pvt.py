@@ -229,7 +229,19 @@ class GlobalSLA(GlobalAttention):
     input's grid whenever the two differ (smaller or larger, like PVT's absolute position
     embedding), as the SLAB authors' SLA-PVT stages do.
 
-    Args: those of :class:`GlobalAttention` but ``kernel`` and ``kernel_cfg``.
+    Args:
+        embed_dims (int): The feature dimension.
+        num_heads (int): Parallel attention heads.
+        sr_ratio (int): Ignored (no spatial reduction). Default: 1.
+        grid (tuple[int, int], optional): The token grid the positional encoding is learned
+            on (:class:`ReparamPVT` passes it). Default: None.
+        qkv_bias (bool): Bias in the q, k, v projection. Default: True.
+        attn_drop (float): Ignored (no softmax weights to drop). Default: 0.0.
+        proj_drop (float): Dropout rate after the output projection. Default: 0.0.
+        norm_cfg (dict, optional): The kind of the block's norm: a foldable one gives ``qkv``
+            a bias in deploy form. Default: None (LayerNorm).
+        deploy (bool): Build the fused structure (see :func:`mmslab.reparameterize`).
+            Default: False.
     """
 
     def __init__(self, embed_dims: int, num_heads: int, sr_ratio: int = 1,

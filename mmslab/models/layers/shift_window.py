@@ -276,17 +276,18 @@ class ShiftWindowAttention(nn.Module):
         sizes = [g['count'] * g['hw'][0] * g['hw'][1] for g in groups]
         outs = []
         for group, part in zip(groups, split_slots(slots, sizes)):
-            outs.append(self._attend_group(part, group, group['valid']).reshape(b, -1, c))
+            out = self._attend_group(part.split(c, dim=-1), group, group['valid'])
+            outs.append(out.reshape(b, -1, c))
         return torch.cat(outs, dim=1).index_select(1, lay['slot'])
 
-    def _attend_group(self, qkv: Tensor, group: dict, valid: Tensor) -> Tensor:
-        """``[B, S, 3C]`` slots of ``valid`` ``[count, span]`` windows -> ``[B*count, span,
-        C]``. Padded slots' ``V`` is zeroed (they add nothing to the kernel's sums) and the
-        kernel masks their keys; unshifted, no window read back holds a padded slot
-        (:func:`_axis_spans`), so no mask is needed."""
+    def _attend_group(self, qkv, group: dict, valid: Tensor) -> Tensor:
+        """q, k, v ``[B, S, C]`` of the slots of ``valid`` ``[count, span]`` windows ->
+        ``[B*count, span, C]``. Padded slots' ``V`` is zeroed (they add nothing to the
+        kernel's sums) and the kernel masks their keys; unshifted, no window read back holds
+        a padded slot (:func:`_axis_spans`), so no mask is needed."""
         c = self.w_msa.embed_dims
         n = group['hw'][0] * group['hw'][1]
-        q, k, v = qkv.split(c, dim=-1)
+        q, k, v = qkv
         if self.shift_size:
             v = v * valid.reshape(1, -1, 1).to(v.dtype)
         else:
@@ -316,7 +317,8 @@ class ShiftWindowAttention(nn.Module):
                 span = slice(first * n, (first + per_chunk) * n)
                 index = group['gather'][span]
                 valid = group['valid'][first:first + index.numel() // n]
-                out = self._attend_group(kernel.qkv(x.index_select(1, index)), group, valid)
+                qkv = kernel.qkv(x.index_select(1, index)).split(c, dim=-1)
+                out = self._attend_group(qkv, group, valid)
                 out = kernel.proj(out.reshape(b, -1, c))
                 if tokens is None:
                     tokens = out.new_empty(b, x.shape[1] + 1, c)
