@@ -177,9 +177,7 @@ def sla_token_major(self: SLA, qkv: Tuple[Tensor, Tensor, Tensor], window_hw,
         k.reshape(n, -1, h, d).permute(1, 2, 0, 3)  # [B', h, d, d]
     num = s_t @ q_t  # [B', h, d, N]
     den = z.reshape(-1, h, 1, d) @ q_t + self.eps  # [B', h, 1, N]
-    w, b = self.dwc.weight, self.dwc.bias  # the DWC shared by the heads, over all C channels
-    dwc = F.conv2d(v.permute(1, 2, 0).reshape(-1, c, wh, ww), w.repeat(h, 1, 1, 1),
-                   None if b is None else b.repeat(h), padding=self.dwc.padding, groups=c)
+    dwc = self.value_conv(v.permute(1, 2, 0).reshape(-1, c, wh, ww))  # [B', C, wh, ww]
     out = num / den + dwc.reshape(-1, h, d, n)
     return out.reshape(-1, c, n).transpose(1, 2)
 

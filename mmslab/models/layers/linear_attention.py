@@ -145,14 +145,17 @@ class SLA(Reparameterizable, WindowKernelBase):
             num = (_split_heads(q, h) @ s_z).transpose(1, 2)  # [B', N, h, d + 1]
             # (eps onto [B', N, h]: runtimes broadcast a scalar onto a unit axis slowly)
             out = num[..., :d] / (num[..., d] + self.eps).unsqueeze(-1)
-            # the DWC shared by the heads as one depth-wise conv over all C channels
-            v_map = v.reshape(bw, *window_hw, c).permute(0, 3, 1, 2)
-            w, b = self.dwc.weight, self.dwc.bias
-            dwc = F.conv2d(v_map, w.repeat(h, 1, 1, 1).to(dtype),
-                           None if b is None else b.repeat(h).to(dtype),
-                           padding=self.dwc.padding, groups=c)
+            dwc = self.value_conv(v.reshape(bw, *window_hw, c).permute(0, 3, 1, 2))
             out = out.reshape(bw, n, c) + dwc.permute(0, 2, 3, 1).reshape(bw, n, c)
         return out.to(in_dtype)
+
+    def value_conv(self, v_map: Tensor) -> Tensor:
+        """The DWC shared by the heads, as one depth-wise conv over all ``C`` channels (its
+        weights tiled over the heads), in ``v_map``'s dtype: ``[B', C, wh, ww]`` -> same."""
+        h, w, b = self.num_heads, self.dwc.weight, self.dwc.bias
+        return F.conv2d(v_map, w.repeat(h, 1, 1, 1).to(v_map.dtype),
+                        None if b is None else b.repeat(h).to(v_map.dtype),
+                        padding=self.dwc.padding, groups=v_map.shape[1])
 
 
 @register_model()

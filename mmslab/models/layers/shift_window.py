@@ -234,7 +234,7 @@ class ShiftWindowAttention(nn.Module):
         lay = self._layout(h, w, x.device, cropped)
         if not cropped:
             out = self._attend_padded(x, lay)
-        elif self.runs_in_chunks(x, hw_shape):
+        elif self.runs_in_chunks(hw_shape):
             return self._forward_in_chunks(x, lay['groups'])
         else:
             out = self._attend_cropped(x, lay)
@@ -248,8 +248,6 @@ class ShiftWindowAttention(nn.Module):
         b, c = x.shape[0], kernel.embed_dims
         n = self.window_size[0] * self.window_size[1]
         pad = kernel.padded_qkv()
-        if pad is None:
-            pad = x.new_zeros(3 * c)
         if 'pad_slots' in lay:
             # eager: gather the C-channel tokens (a third of qkv's output), qkv per slot
             windows = kernel.qkv(x.index_select(1, lay['gather_any']))
@@ -295,13 +293,12 @@ class ShiftWindowAttention(nn.Module):
         parts = tuple(t.reshape(-1, n, c) for t in (q, k, v))
         return self.w_msa.attend(parts, group['hw'], valid=valid, origin=group['origin'])
 
-    def runs_in_chunks(self, x: Tensor, hw_shape) -> bool:
-        """Whether :meth:`_forward_in_chunks` applies: eager inference on the CPU (no
-        gradients, sizes known) of a kernel that masks padding (linear attention: its
-        unfused steps each read and write the whole map)."""
-        return self.w_msa.masks_padding and x.device.type == 'cpu' and \
-            not torch.is_grad_enabled() and all(isinstance(n, int) for n in hw_shape) and \
-            not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+    def runs_in_chunks(self, hw_shape) -> bool:
+        """Whether cropped windows (a kernel that masks padding, on the CPU: linear
+        attention, whose unfused steps each read and write the whole map) run in chunks
+        (:meth:`_forward_in_chunks`): in eager inference (no gradients, sizes known)."""
+        return not torch.is_grad_enabled() and all(isinstance(n, int) for n in hw_shape) \
+            and not torch.jit.is_tracing()
 
     def _forward_in_chunks(self, x: Tensor, groups: list) -> Tensor:
         """:meth:`_attend_cropped` and ``proj`` a chunk of about :attr:`chunk_values` input

@@ -81,12 +81,14 @@ class WindowKernelBase(nn.Module):
         """
         raise NotImplementedError
 
-    def padded_qkv(self) -> Optional[Tensor]:
-        """``[3C]`` value of a padded token after ``qkv``; None for kernels that mask padding
-        (and for a ``qkv`` without bias: zeros)."""
-        if self.masks_padding:
-            return None
-        return self.qkv.bias if self.qkv_pad is None else self.qkv_pad
+    def padded_qkv(self) -> Tensor:
+        """``[3C]`` value of a padded token after ``qkv``: zeros for kernels that mask padding
+        (a zero ``V``) and for a ``qkv`` without bias."""
+        if self.qkv_pad is not None:
+            return self.qkv_pad
+        if self.masks_padding or self.qkv.bias is None:
+            return self.qkv.weight.new_zeros(self.qkv.out_features)
+        return self.qkv.bias
 
     def expect_folded_input_norm(self) -> None:
         """Declare the state of a kernel whose input norm is folded into ``qkv`` (the
