@@ -73,6 +73,34 @@ def test_precision_arguments_and_errors_name_the_valid_choices(tmp_path, capsys)
     assert args.precision == 'auto'
 
 
+def test_deployed_form_is_the_fastest_that_pays_for_its_precision():
+    """``choose_deployment`` (``tools/export_onnx.py --latency``, ``tools/demo.sh``): the
+    fastest fp32 form unless a less exact one runs at least 1.05x as fast, whatever order
+    the times come in; a slower INT8 is never deployed."""
+    from mmslab.deploy.runtimes import choose_deployment
+    # an AVX2-only EPYC at 800x1333: OpenVINO INT8 slower than fp32, onnxruntime INT8 faster
+    avx2 = {'eager fp32': 4668.0, 'onnxruntime fp32': 2581.0, 'onnxruntime int8': 1868.0,
+            'openvino fp32': 2467.0, 'openvino int8': 2846.0}
+    choice = choose_deployment(avx2)
+    assert (choice['runtime'], choice['precision'], choice['median_ms']) == \
+        ('onnxruntime', 'int8', 1868.0)
+    assert choice['reason'] == ('openvino fp32 2467 ms is the fastest fp32 form; onnxruntime '
+                                'int8 1868 ms runs 1.32x as fast as openvino fp32 (deployed: '
+                                'the bar is 1.05x)')
+    assert choose_deployment(dict(reversed(list(avx2.items())))) == choice
+    # INT8 only 1.03x faster: fp32 stays; bf16 1.25x faster: bf16
+    slow_int8 = {'onnxruntime fp32': 1030.0, 'openvino int8': 1000.0}
+    assert choose_deployment(slow_int8)['precision'] == 'fp32'
+    assert 'not deployed' in choose_deployment(slow_int8)['reason']
+    bf16 = {'openvino fp32': 1000.0, 'openvino bf16': 800.0, 'openvino int8': 780.0}
+    assert choose_deployment(bf16)['precision'] == 'bf16'  # INT8 1.03x bf16's speed
+    assert choose_deployment(bf16, min_speedup=1.0)['precision'] == 'int8'
+    # an INT8 form alone (no fp32 timed) is what there is
+    assert choose_deployment({'onnxruntime int8': 5.0})['precision'] == 'int8'
+    with pytest.raises(ValueError, match='no runtime form among the timed'):
+        choose_deployment({'eager fp32': 1.0, 'onnxruntime bf16': 1.0})
+
+
 def test_one_precision_resolver():
     """``resolve_precision`` is the one reading of ``precision`` and its short forms
     ``int8`` / ``bf16`` (``--int8`` / ``--bf16``) for the predictor, tools/test.py, the hook

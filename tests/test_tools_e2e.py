@@ -274,7 +274,10 @@ def test_summarize_run_shows_the_deployed_forms(tmp_path, capsys):
     (work / 'export' / 'export.json').write_text(json.dumps(dict(
         schema_version=1, part='model', task='instance_segmentation',
         outputs=['dets', 'labels', 'masks'], shape=[800, 1344], dynamic=True,
-        latency=dict(shape='800x1333', input=[800, 1344], repeat=3, median_ms=ms))))
+        latency=dict(shape='800x1333', input=[800, 1344], repeat=3, median_ms=ms,
+                     deploy=dict(runtime='openvino', precision='int8', median_ms=600.0,
+                                 reason='openvino int8 600 ms runs 2.50x as fast as openvino '
+                                        'fp32')))))
     deployed = work / 'deployed_openvino_int8'
     deployed.mkdir()
     (deployed / 'metrics.json').write_text(json.dumps(
@@ -286,6 +289,8 @@ def test_summarize_run_shows_the_deployed_forms(tmp_path, capsys):
     out = capsys.readouterr().out
     assert 'deployed   whole model 800x1333: eager fp32 2461 ms, ' in out
     assert 'openvino int8 600 ms (4.10x)' in out
+    assert ('deployed   chosen: openvino int8 (openvino int8 600 ms runs 2.50x as fast as '
+            'openvino fp32)') in out
     assert ('deployed   openvino_int8      coco/bbox_mAP 0.587, coco/segm_mAP 0.691 '
             '(fused PyTorch 0.588, 0.694)') in out
     assert ('deployed   openvino_int8      latency per image: median 65.2 ms (deployed: '

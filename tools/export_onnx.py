@@ -35,6 +35,14 @@ orientations for dynamic exports), and the INT8 deviation on ``--eval-images`` t
 not used for calibration;
 on CPUs with bf16 units also OpenVINO bf16's deviation (``bf16_on_test_images``: the fp32 IR
 run with ``INFERENCE_PRECISION_HINT=bf16``, as ``tools/test.py --precision bf16`` runs it).
+
+``--latency HxW`` times, interleaved, the fused eager model and every exported form (each
+runtime's fp32, OpenVINO bf16 where the CPU has bf16 units, INT8 with ``--int8``) on one
+image of that size, and records in ``export.json`` (``latency``) the medians, the machine
+(CPU, ISA) and ``deploy``: the form to deploy on this machine
+(:func:`mmslab.deploy.runtimes.choose_deployment`: the fastest fp32 form, replaced by a bf16
+or INT8 one only where that runs at least 1.05x as fast) with the comparison behind it.
+``tools/demo.sh`` evaluates that form.
 """
 import argparse
 import copy
@@ -56,11 +64,12 @@ from mmslab.deploy.onnx_export import (DEFAULT_ATTENTION_LAYOUT, PARTS, ExportWr
                                        export_runtime_graphs, onnx_size_mb, torch_outputs)
 from mmslab.deploy.quantize import (calibration_images, preprocessed_images,
                                     quantize_onnxruntime, quantize_openvino)
-from mmslab.deploy.runtimes import RUNTIMES, artifact_path, load_runtime_model
+from mmslab.deploy.runtimes import (RUNTIMES, artifact_path, choose_deployment,
+                                    load_runtime_model)
 from mmslab.engine.hooks.reparam_eval_hook import verify_fusion
 from mmslab.deploy.window_graphs import ATTENTION_LAYOUTS
 from mmslab.utils.launch import build_model_from_config, load_config
-from mmslab.utils.machine import has_bf16
+from mmslab.utils.machine import has_bf16, machine_info
 
 
 def parse_args(argv=None):
@@ -93,7 +102,8 @@ def parse_args(argv=None):
                    help='test-set images for the parity check and the INT8 deviation')
     p.add_argument('--latency', metavar='HxW',
                    help='also time, per image at this size, the fused model in eager PyTorch '
-                   "(its own predict) and every exported form (interleaved; JSON 'latency')")
+                   "(its own predict) and every exported form (interleaved; JSON 'latency') "
+                   "and record the form to deploy on this machine ('latency.deploy')")
     p.add_argument('--repeat', type=int, default=5, help='timed calls per form (--latency)')
     p.add_argument('--threads', type=int, default=None, help='torch/runtime threads')
     p.add_argument('--cfg-options', nargs='+', action=DictAction)
@@ -180,16 +190,22 @@ def measure_latency(model, part, args) -> dict:
         if part != 'features' else (lambda: model.extract_feat(inputs))
     fns = {'eager fp32': eager}
     for runtime in args.runtime:
-        for precision in (['fp32', 'int8'] if args.int8 else ['fp32']):
+        precisions = ['fp32'] + (['bf16'] if runtime == 'openvino' and has_bf16() else []) + \
+            (['int8'] if args.int8 else [])
+        for precision in precisions:
             m = load_runtime_model(args.out, runtime, precision, args.threads or 0)
             fns[f'{runtime} {precision}'] = lambda m=m: m(image)
     bar = ProgressBar(len(fns) * args.repeat)
     times = measure_interleaved(fns, args.repeat, 1, bar.update)
     print()
     out = dict(shape=args.latency, input=list(inputs.shape[-2:]), repeat=args.repeat,
-               median_ms={k: summarize(v)['median_ms'] for k, v in times.items()})
+               median_ms={k: summarize(v)['median_ms'] for k, v in times.items()},
+               machine=machine_info('cpu'))
     for k, ms in out['median_ms'].items():
         print(f'latency {args.latency} {k:18s} {ms:9.1f} ms')
+    out['deploy'] = choose_deployment(out['median_ms'])
+    print(f"deploy: {out['deploy']['runtime']} {out['deploy']['precision']} "
+          f"({out['deploy']['reason']})")
     return out
 
 

@@ -6,8 +6,8 @@ and a plot.
 Reads from WORK_DIR (as ``tools/demo.sh`` fills it) mmengine's ``vis_data/scalars.json`` of
 the newest run and the hook's ``latency.json``, and where present
 ``full_size_speed/benchmark.json`` (``tools/benchmark.py``), ``export/export.json`` (its
-``latency``: the whole model in eager PyTorch and each exported form,
-``tools/export_onnx.py --latency``) and ``deployed_*/metrics.json`` / ``latency.json``
+``latency``: the whole model in eager PyTorch and each exported form, and the form chosen
+for this machine with the comparison behind it, ``tools/export_onnx.py --latency``) and ``deployed_*/metrics.json`` / ``latency.json``
 (``tools/test.py --backend``: the deployed model's metrics and per-image latency); prints
 the figures and writes ``summary.json`` and ``summary.png``.
 """
@@ -115,6 +115,11 @@ def deployed_rows(work_dir, fused_metrics=None):
                              for k, v in ms.items())
             print(f"deployed   whole model {latency['shape']}: {line}")
             rows['latency'] = latency
+            choice = latency.get('deploy')
+            if choice:
+                print(f"deployed   chosen: {choice['runtime']} {choice['precision']} "
+                      f"({choice['reason']})")
+                rows['chosen'] = choice
     for path in sorted(glob.glob(osp.join(work_dir, 'deployed_*', 'metrics.json'))):
         with open(path) as f:
             metrics = json.load(f)
@@ -214,13 +219,17 @@ def plot(train, evals, latency, path, full_size=None, deployed=None):
             eager = ms.get('eager fp32')
             labels = [k.replace('onnxruntime', 'ORT').replace('openvino', 'OpenVINO')
                       .replace(' ', '\n') for k in ms]
+            choice = whole.get('deploy') or {}
+            chosen = f"{choice.get('runtime')} {choice.get('precision')}"
             ax.bar(labels, list(ms.values()),
-                   color=['tab:gray' if k.startswith('eager') else 'tab:purple' for k in ms])
+                   color=['tab:gray' if k.startswith('eager') else
+                          'tab:green' if k == chosen else 'tab:purple' for k in ms])
             for i, (k, v) in enumerate(ms.items()):
                 note = f'{v:.0f}' + (f'\n{eager / v:.2f}x' if eager and k != 'eager fp32' else '')
                 ax.annotate(note, (i, v), ha='center', va='bottom', fontsize=8)
             ax.set_ylabel('median ms per image')
-            ax.set_title(f"deployed whole model, {whole['shape']}")
+            ax.set_title(f"deployed whole model, {whole['shape']}" +
+                         (' (green: deployed)' if choice else ''))
             ax.margins(y=0.2)
 
 

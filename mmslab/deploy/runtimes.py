@@ -110,6 +110,50 @@ def resolve_precision(precision: Optional[str] = None, int8: bool = False, bf16:
     return precision
 
 
+#: How much faster a less exact precision (bf16 after fp32, INT8 after both) must run to be
+#: deployed instead: a smaller difference is within what repeated timings of one model vary.
+DEPLOY_MIN_SPEEDUP = 1.05
+
+
+def choose_deployment(median_ms: dict, min_speedup: float = DEPLOY_MIN_SPEEDUP) -> dict:
+    """The exported form to deploy, from measured latencies ``{'RUNTIME PRECISION': ms}``
+    (``tools/export_onnx.py --latency``; other keys such as ``eager fp32`` are ignored).
+
+    The fastest fp32 form first; the fastest bf16 form replaces it only if it is at least
+    ``min_speedup`` times faster, then the fastest INT8 form likewise: a less exact form must
+    pay for what it changes. The same times give the same choice.
+
+    Returns ``runtime``, ``precision``, ``median_ms`` and ``reason`` (one sentence with the
+    figures compared). Raises ``ValueError`` when no runtime form was timed.
+    """
+    best = {}
+    for key, ms in median_ms.items():
+        runtime, _, precision = key.partition(' ')
+        if runtime in RUNTIMES and precision in RUNTIME_PRECISIONS[runtime]:
+            if precision not in best or ms < best[precision][2]:
+                best[precision] = (runtime, precision, ms)
+    if not best:
+        raise ValueError(f'no runtime form among the timed {sorted(median_ms)}; valid: '
+                         f'"RUNTIME PRECISION" with RUNTIME in {", ".join(RUNTIMES)}')
+    chosen, steps = None, []
+    for precision in PRECISIONS:  # most exact first
+        if precision not in best:
+            continue
+        runtime, _, ms = candidate = best[precision]
+        if chosen is None:
+            chosen = candidate
+            steps.append(f'{runtime} {precision} {ms:.0f} ms is the fastest {precision} form')
+            continue
+        gain = chosen[2] / ms
+        verdict = 'deployed' if gain >= min_speedup else 'not deployed'
+        steps.append(f'{runtime} {precision} {ms:.0f} ms runs {gain:.2f}x as fast as '
+                     f'{chosen[0]} {chosen[1]} ({verdict}: the bar is {min_speedup:.2f}x)')
+        if gain >= min_speedup:
+            chosen = candidate
+    runtime, precision, ms = chosen
+    return dict(runtime=runtime, precision=precision, median_ms=ms, reason='; '.join(steps))
+
+
 def artifact_path(export_dir: str, runtime: str, precision: str) -> str:
     """Where ``tools/export_onnx.py`` writes the artifact ``runtime`` runs at ``precision``
     (only 'int8' has its own; 'bf16' computes the fp32 one in bf16)."""

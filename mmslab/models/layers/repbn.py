@@ -57,7 +57,7 @@ class RepBN(FoldableNorm):
         else:
             y = self.bn(x.flatten(2)).view_as(x)
         alpha = self.alpha if alpha_offset is None else self.alpha + alpha_offset
-        return y + alpha * x
+        return torch.addcmul(y, x, alpha)  # y + alpha * x in one pass
 
     def _fused_affine(self) -> Tuple[Tensor, Tensor]:
         scale, shift = bn_affine(self.bn)
@@ -213,8 +213,20 @@ class PRepBN(FoldableNorm):
                 y = self.norm2.forward_train(
                     x, alpha_offset=_zero_anchor(self.norm1) if keep else None)
             else:
-                y = g * self.norm1(x) + (1.0 - g) * self.norm2(x)
+                y = self._mix(x, g)
         return y.movedim(-1, 1) if channels_first else y
+
+    def _mix(self, x: Tensor, g) -> Tensor:
+        """``g * LN(x) + (1 - g) * (BN(x) + alpha * x)`` with the weights ``g`` and
+        ``1 - g`` applied to O(C) parameters where they can be: the LayerNorm with ``g``
+        times its affine, then two accumulating passes, where the formula as written makes
+        seven passes over the tokens (and as many in backward)."""
+        ln, rep = self.norm1, self.norm2
+        y = F.layer_norm(x, ln.normalized_shape, g * ln.weight, g * ln.bias, ln.eps)
+        bn = rep.bn(x.reshape(-1, self.num_features)).view_as(x)
+        h = 1.0 - g
+        y = torch.add(y, bn, alpha=h) if isinstance(h, float) else torch.addcmul(y, bn, h)
+        return torch.addcmul(y, x, h * rep.alpha)
 
     def _fused_affine(self) -> Tuple[Tensor, Tensor]:
         return self.norm2._fused_affine()
