@@ -7,9 +7,10 @@ Reads from WORK_DIR (as ``tools/demo.sh`` fills it) mmengine's ``vis_data/scalar
 the newest run and the hook's ``latency.json``, and where present
 ``full_size_speed/benchmark.json`` (``tools/benchmark.py``), ``export/export.json`` (its
 ``latency``: the whole model in eager PyTorch and each exported form, and the form chosen
-for this machine with the comparison behind it, ``tools/export_onnx.py --latency``) and ``deployed_*/metrics.json`` / ``latency.json``
-(``tools/test.py --backend``: the deployed model's metrics and per-image latency); prints
-the figures and writes ``summary.json`` and ``summary.png``.
+for this machine with the comparison behind it, ``tools/export_onnx.py --latency``) and
+``deployed_*/metrics.json`` / ``latency.json`` (``tools/test.py --backend``: the deployed
+model's metrics and per-image latency); prints the figures and writes ``summary.json`` and
+``summary.png``.
 """
 import argparse
 import glob
