@@ -425,13 +425,15 @@ def block_gpu_batch(machine: str) -> str:
 def train_tables(run: dict) -> str:
     """One benchmark_train.json report: step time and the ratios it recorded."""
     gpu = any('peak_memory_gib' in row for row in run['models'].values())
-    header = ['model', 'step, median ms (min-max)', f"vs {run['reference']}", 'vs mmdet Swin-T']
+    mmdet = any(row.get('vs_mmdet_swin') for row in run['models'].values())
+    header = ['model', 'step, median ms (min-max)', f"vs {run['reference']}"]
+    header += ['vs mmdet Swin-T'] if mmdet else []
     header += ['peak memory, GiB'] if gpu else []
     rows = []
     for name, row in run['models'].items():
         s = row['step_ms']
         cells = [name, f"{fmt_ms(s['median'])} ({fmt_bound(s['min'])}-{fmt_bound(s['max'])})"]
-        for key in ('vs_reference', 'vs_mmdet_swin'):
+        for key in ('vs_reference', ) + (('vs_mmdet_swin', ) if mmdet else ()):
             r = row.get(key)
             cells.append(fmt_ratio(r['median'], [r['min'], r['max']]) if r else '')
         if gpu:
@@ -441,8 +443,8 @@ def train_tables(run: dict) -> str:
     caption = (f"{run['part']} training step (forward, loss, backward), batch {run['batch']} at "
                f"{shape}, {run['precision']}, {run['device']}, progressive norms at "
                f"{run.get('prepbn_progress', '?')} of their decay; ratios: the model's step time "
-               "over the reference's or mmdet Swin-T's in the same round (> 1: slower), median "
-               "[min-max] of the rounds.")
+               "over the reference's" + (" or mmdet Swin-T's" if mmdet else '') +
+               " in the same round (> 1: slower), median [min-max] of the rounds.")
     return '\n\n'.join([caption, markdown_table(header, rows), provenance(run)])
 
 

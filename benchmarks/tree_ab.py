@@ -8,6 +8,7 @@
 Both trees register the same classes, so each (tree, model) runs in a worker process of its
 own, built once; every round each worker runs one timed call, in rotating order, and only
 one runs at a time. ``--mode infer``: the fused backbone at batch 1 in eager PyTorch;
+``model``: the whole fused detector (``predict``, batch 1, post-processing in float32);
 ``train``: a backbone training step at batch 2, progressive norms in the middle of their
 decay; ``runtime``: the fused backbone exported by each tree for onnxruntime and OpenVINO
 (free height and width), INT8 calibrated on two random images. Prints new/old medians with
@@ -36,11 +37,17 @@ def worker(tree: str, config: str, mode: str, precision: str, threads: int) -> N
     torch.set_num_threads(threads)
     from mmslab.benchmark import fused_copy, trained_like_parameters
     from mmslab.utils.launch import load_config, model_registry
-    cfg, scope = load_config(f'{tree}/{config}')
-    cfg.model.backbone.init_cfg = None
     torch.manual_seed(0)
-    model = model_registry(scope).build(cfg.model.backbone)
-    model.init_weights()
+    if mode == 'model':
+        from mmslab.utils.launch import build_model_from_config
+        whole = build_model_from_config(f'{tree}/{config}')[1]
+        whole.init_weights()
+        model = whole.backbone
+    else:
+        cfg, scope = load_config(f'{tree}/{config}')
+        cfg.model.backbone.init_cfg = None
+        model = model_registry(scope).build(cfg.model.backbone)
+        model.init_weights()
     trained_like_parameters(model)
     inputs = {}
 
@@ -72,6 +79,17 @@ def worker(tree: str, config: str, mode: str, precision: str, threads: int) -> N
 
         def call(variant, shape):
             runs[variant](image(shape))
+    elif mode == 'model':
+        from mmslab.benchmark import make_runners
+        whole, runners = fused_copy(whole.eval()), {}
+
+        def call(variant, shape):
+            key = (variant, shape)
+            if key not in runners:
+                runners[key] = make_runners(whole, tuple(map(int, shape.split('x'))), 'model',
+                                            precision=variant)
+            with torch.inference_mode():
+                runners[key]()
     elif mode == 'infer':
         model = fused_copy(model.eval())
 
@@ -102,7 +120,7 @@ def main() -> None:
     p.add_argument('old')
     p.add_argument('new')
     p.add_argument('--models', nargs='+', default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument('--mode', choices=('infer', 'train', 'runtime'), default='infer')
+    p.add_argument('--mode', choices=('infer', 'model', 'train', 'runtime'), default='infer')
     p.add_argument('--precision', choices=('fp32', 'bf16'), default='fp32')
     p.add_argument('--variants', nargs='+', choices=VARIANTS, default=list(VARIANTS))
     p.add_argument('--shape', default='512x512')
