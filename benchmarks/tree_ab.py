@@ -1,4 +1,5 @@
-"""Two checkouts of mmslab side by side: the same backbone built by each, timed interleaved.
+"""Two checkouts of mmslab side by side: the same backbone (or detector) built by each, timed
+interleaved.
 
     python benchmarks/tree_ab.py OLD_TREE NEW_TREE --models control slab \
         --mode infer --precision fp32 --shape 800x1344 --rounds 5
@@ -8,10 +9,11 @@
 Both trees register the same classes, so each (tree, model) runs in a worker process of its
 own, built once; every round each worker runs one timed call, in rotating order, and only
 one runs at a time. ``--mode infer``: the fused backbone at batch 1 in eager PyTorch;
-``model``: the whole fused detector (``predict``, batch 1, post-processing in float32);
 ``train``: a backbone training step at batch 2, progressive norms in the middle of their
 decay; ``runtime``: the fused backbone exported by each tree for onnxruntime and OpenVINO
-(free height and width), INT8 calibrated on two random images. Prints new/old medians with
+(free height and width), INT8 calibrated on two random images. ``--part model``: the whole
+fused detector instead (``predict`` at batch 1 in eager PyTorch, post-processing in
+float32; the whole exported graph in the runtimes). Prints new/old medians with
 [min-max] and writes the times to ``--out`` (JSON).
 """
 import argparse
@@ -29,7 +31,8 @@ CONFIGS = dict(control='configs/mask_rcnn_swin_t_1x.py',
 VARIANTS = ('ort_fp32', 'ort_int8', 'ov_fp32', 'ov_bf16', 'ov_int8')
 
 
-def worker(tree: str, config: str, mode: str, precision: str, threads: int) -> None:
+def worker(tree: str, config: str, mode: str, part: str, precision: str,
+           threads: int) -> None:
     """Build, print 'ready', then time one call per stdin line ('VARIANT HxW')."""
     sys.path.insert(0, tree)
     import numpy as np
@@ -38,7 +41,7 @@ def worker(tree: str, config: str, mode: str, precision: str, threads: int) -> N
     from mmslab.benchmark import fused_copy, trained_like_parameters
     from mmslab.utils.launch import load_config, model_registry
     torch.manual_seed(0)
-    if mode == 'model':
+    if part == 'model':
         from mmslab.utils.launch import build_model_from_config
         whole = build_model_from_config(f'{tree}/{config}')[1]
         whole.init_weights()
@@ -61,8 +64,8 @@ def worker(tree: str, config: str, mode: str, precision: str, threads: int) -> N
         from mmslab.deploy.onnx_export import export_runtime_graphs
         from mmslab.deploy.quantize import quantize_onnxruntime, quantize_openvino
         from mmslab.deploy.runtimes import open_model
-        model, out = fused_copy(model.eval()), tempfile.mkdtemp()
-        export_runtime_graphs(model, 'backbone', (320, 320), out, ['onnxruntime', 'openvino'],
+        model, out = fused_copy((whole if part == 'model' else model).eval()), tempfile.mkdtemp()
+        export_runtime_graphs(model, part, (320, 320), out, ['onnxruntime', 'openvino'],
                               dynamic=True)
         calib = [np.random.RandomState(i).randn(1, 3, 512, 512).astype(np.float32)
                  for i in range(2)]
@@ -79,7 +82,7 @@ def worker(tree: str, config: str, mode: str, precision: str, threads: int) -> N
 
         def call(variant, shape):
             runs[variant](image(shape))
-    elif mode == 'model':
+    elif part == 'model':
         from mmslab.benchmark import make_runners
         whole, runners = fused_copy(whole.eval()), {}
 
@@ -120,7 +123,9 @@ def main() -> None:
     p.add_argument('old')
     p.add_argument('new')
     p.add_argument('--models', nargs='+', default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument('--mode', choices=('infer', 'model', 'train', 'runtime'), default='infer')
+    p.add_argument('--mode', choices=('infer', 'train', 'runtime'), default='infer')
+    p.add_argument('--part', choices=('backbone', 'model'), default='backbone',
+                   help='the backbone, or the whole detector (infer, runtime)')
     p.add_argument('--precision', choices=('fp32', 'bf16'), default='fp32')
     p.add_argument('--variants', nargs='+', choices=VARIANTS, default=list(VARIANTS))
     p.add_argument('--shape', default='512x512')
@@ -129,13 +134,17 @@ def main() -> None:
     p.add_argument('--out', default='tree_ab.json')
     p.add_argument('--worker', nargs=2, help=argparse.SUPPRESS)  # tree, config
     args = p.parse_args()
+    if args.mode == 'train' and args.part == 'model':
+        p.error('--mode train times backbones (tools/benchmark_train.py --part model: whole '
+                'models)')
     if args.worker:
-        return worker(*args.worker, args.mode, args.precision, args.threads)
+        return worker(*args.worker, args.mode, args.part, args.precision, args.threads)
     variants = args.variants if args.mode == 'runtime' else [args.precision]
     workers = {}
     for name in args.models:
         for tree in ('old', 'new'):
             cmd = [sys.executable, __file__, args.old, args.new, '--mode', args.mode,
+                   '--part', args.part,
                    '--precision', args.precision, '--threads', str(args.threads),
                    '--worker', getattr(args, tree), CONFIGS[name]]
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
