@@ -64,8 +64,8 @@ from mmslab.deploy.onnx_export import (DEFAULT_ATTENTION_LAYOUT, PARTS, ExportWr
                                        export_runtime_graphs, onnx_size_mb, torch_outputs)
 from mmslab.deploy.quantize import (calibration_images, preprocessed_images,
                                     quantize_onnxruntime, quantize_openvino)
-from mmslab.deploy.runtimes import (RUNTIMES, artifact_path, choose_deployment,
-                                    load_runtime_model)
+from mmslab.deploy.runtimes import (RUNTIME_PRECISIONS, RUNTIMES, artifact_path,
+                                    choose_deployment, load_runtime_model)
 from mmslab.engine.hooks.reparam_eval_hook import verify_fusion
 from mmslab.deploy.window_graphs import ATTENTION_LAYOUTS
 from mmslab.utils.launch import build_model_from_config, load_config
@@ -190,9 +190,8 @@ def measure_latency(model, part, args) -> dict:
         if part != 'features' else (lambda: model.extract_feat(inputs))
     fns = {'eager fp32': eager}
     for runtime in args.runtime:
-        precisions = ['fp32'] + (['bf16'] if runtime == 'openvino' and has_bf16() else []) + \
-            (['int8'] if args.int8 else [])
-        for precision in precisions:
+        runs = dict(bf16=has_bf16(), int8=args.int8)  # what this CPU and export allow
+        for precision in [p for p in RUNTIME_PRECISIONS[runtime] if runs.get(p, True)]:
             m = load_runtime_model(args.out, runtime, precision, args.threads or 0)
             fns[f'{runtime} {precision}'] = lambda m=m: m(image)
     bar = ProgressBar(len(fns) * args.repeat)

@@ -120,7 +120,6 @@ def deployed_rows(work_dir, fused_metrics=None):
             if choice:
                 print(f"deployed   chosen: {choice['runtime']} {choice['precision']} "
                       f"({choice['reason']})")
-                rows['chosen'] = choice
     for path in sorted(glob.glob(osp.join(work_dir, 'deployed_*', 'metrics.json'))):
         with open(path) as f:
             metrics = json.load(f)
