@@ -65,7 +65,7 @@ from mmslab.deploy.onnx_export import (DEFAULT_ATTENTION_LAYOUT, PARTS, ExportWr
 from mmslab.deploy.quantize import (calibration_images, preprocessed_images,
                                     quantize_onnxruntime, quantize_openvino)
 from mmslab.deploy.runtimes import (RUNTIME_PRECISIONS, RUNTIMES, artifact_path,
-                                    choose_deployment, load_runtime_model)
+                                    choose_deployment, int8_weight_bits, load_runtime_model)
 from mmslab.engine.hooks.reparam_eval_hook import verify_fusion
 from mmslab.deploy.window_graphs import ATTENTION_LAYOUTS
 from mmslab.utils.launch import build_model_from_config, load_config
@@ -96,6 +96,10 @@ def parse_args(argv=None):
                    help='segmentors: resize the logits to the input and argmax in the graph')
     p.add_argument('--runtime', nargs='+', choices=RUNTIMES, default=list(RUNTIMES))
     p.add_argument('--int8', action='store_true', help='also write INT8 models')
+    p.add_argument('--int8-weight-bits', type=int, choices=(7, 8), default=None,
+                   help='onnxruntime INT8 weight bits (default: 8 on CPUs with VNNI or AMX, '
+                   '7 on others, whose u8 x s8 products saturate with 8-bit weights; give 7 '
+                   'for a model that will run on such a CPU)')
     p.add_argument('--calib-images', type=int, default=8,
                    help='INT8 calibration images (from the config\'s training set)')
     p.add_argument('--eval-images', type=int, default=4,
@@ -251,17 +255,20 @@ def main(argv=None):
     if args.int8:
         calib = calibration_images(cfg, model, args.calib_images,
                                    None if args.dynamic else shape)
+        weight_bits = args.int8_weight_bits or int8_weight_bits()
         report['int8'] = dict(calibration_images=len(calib), calibration_set='train',
+                              onnxruntime_weight_bits=weight_bits,
                               quantized='MatMul/Gemm/Conv layers with weights (onnxruntime: '
-                              'per-channel s8 weights, u8 activations, MatMul outputs float '
-                              'with the bias added in the kernel (MatMulIntegerToFloat); '
+                              'per-channel s8 weights (7-bit where onnxruntime_weight_bits '
+                              'says so), u8 activations, MatMul outputs float '
+                              '(MatMulIntegerToFloat); '
                               'OpenVINO: NNCF transformer preset, which also quantizes '
                               'the inputs of attention products and depth-wise convs); '
                               'onnxruntime keeps depth-wise convs and attention products '
                               'float; softmax, norms, NMS, RoIAlign stay float in both')
         if 'onnxruntime' in args.runtime:
             quantize_onnxruntime(onnx_path, artifact_path(args.out, 'onnxruntime', 'int8'),
-                                 calib)
+                                 calib, weight_bits=weight_bits)
         if 'openvino' in args.runtime:
             quantize_openvino(artifact_path(args.out, 'openvino', 'fp32'),
                               artifact_path(args.out, 'openvino', 'int8'), calib)

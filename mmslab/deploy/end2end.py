@@ -398,7 +398,7 @@ class DetectorEnd2End(nn.Module):
         logits = head(roi_features(extractor, feats[:extractor.num_inputs], boxes))
         if head.class_agnostic:
             logits = logits[:, 0]
-        else:  # one Gather on (detection, class) rows
-            rows = torch.arange(labels.shape[0], device=labels.device) * head.num_classes
-            logits = logits.flatten(0, 1)[rows + labels]
+        else:  # each detection's class channel
+            index = labels.view(-1, 1, 1, 1).expand(-1, 1, *logits.shape[-2:])
+            logits = logits.gather(1, index).squeeze(1)
         return logits.sigmoid()

@@ -14,21 +14,30 @@ functions that use them.
 import os
 import os.path as osp
 import warnings
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .runtimes import OnnxRuntimeModel, import_openvino, pad_to_shape
+from .runtimes import (INT8_WEIGHT_BITS_KEY, OnnxRuntimeModel, import_openvino, int8_weight_bits,
+                       pad_to_shape)
 
 WEIGHT_OPS = ('MatMul', 'Gemm', 'Conv')  # the op types ORT INT8 quantizes (with weights)
 FLOAT_OUTPUT_OPS = ('MatMul', 'Gemm')  # ... of which these keep a float output
 
 
 def quantize_onnxruntime(onnx_path: str, out_path: str, calibration: Sequence[np.ndarray],
-                         graph_passes: bool = True) -> str:
+                         graph_passes: bool = True, weight_bits: Optional[int] = None) -> str:
     """Static INT8 quantization (QDQ, per-channel int8 weights, uint8 activations calibrated
     by MinMax on ``calibration`` images). u8 activations x s8 weights is the combination
     onnxruntime's x86 kernels are fastest with; s8 x s8 ran slower than fp32 here.
+
+    ``weight_bits``: 8, or 7 (weights in [-64, 63]) for x86 CPUs without 8-bit dot products
+    (VNNI, AMX), whose kernels add pairs of u8 x s8 products in 16 bits: with 8-bit weights
+    those sums saturate (a SLAB-Swin-T backbone's outputs 16-18 % off the graph's own
+    values, against 1.5-2.4 % of quantization error), with 7-bit weights they cannot
+    (2 x 255 x 64 < 2^15). None: what this CPU needs (:func:`~.runtimes.int8_weight_bits`).
+    The file records it (ONNX metadata ``mmslab_int8_weight_bits``) and
+    :class:`~.runtimes.OnnxRuntimeModel` warns where an 8-bit file meets a CPU without them.
 
     Only the layers with weights (MatMul / Gemm / Conv whose second input is a stored tensor)
     are quantized: they are where the time goes. Quantizing also the activation x activation
@@ -40,17 +49,22 @@ def quantize_onnxruntime(onnx_path: str, out_path: str, calibration: Sequence[np
     out of 24 GB at 800x1344 (7.7 GB peak now).
 
     MatMul / Gemm outputs stay float (:data:`FLOAT_OUTPUT_OPS`): onnxruntime's own graph
-    optimizer then chooses how each ``DequantizeLinear -> MatMul`` runs. It forms
-    ``MatMulIntegerToFloat`` (dequantizing in the kernel's epilogue) only where the CPU's
-    u8 x s8 products cannot saturate (VNNI, AMX) and computes in float otherwise, so the
-    INT8 file is exact on every x86 CPU. A quantized output would cost a ``QLinearMatMul``
-    plus a ``DequantizeLinear`` pass before the float consumers and one rounding more.
+    optimizer then runs each ``DequantizeLinear -> MatMul`` as ``MatMulIntegerToFloat``
+    (dequantizing in the kernel's epilogue). A quantized output would cost a
+    ``QLinearMatMul`` plus a ``DequantizeLinear`` pass before the float consumers and one
+    rounding more.
 
     ``graph_passes``: then :func:`read_float_where_float` and :func:`quantize_before_moves`
     rewrite the quantizer's file (measured with onnxruntime 1.32: docs/benchmarks.md);
     False keeps it as onnxruntime's quantizer wrote it."""
+    import onnx
     from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType,
                                           quantize_static)
+    if weight_bits is None:
+        weight_bits = int8_weight_bits()
+    if weight_bits not in (7, 8):
+        raise ValueError(f'weight_bits={weight_bits!r}; valid: 7, 8 or None (what this CPU '
+                         f'needs)')
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     input_name = OnnxRuntimeModel(onnx_path).input_name
@@ -71,18 +85,19 @@ def quantize_onnxruntime(onnx_path: str, out_path: str, calibration: Sequence[np
         quantize_static(prepared, out_path, Reader(), quant_format=QuantFormat.QDQ,
                         per_channel=True, activation_type=QuantType.QUInt8,
                         weight_type=QuantType.QInt8, nodes_to_quantize=weight_layers(prepared),
+                        reduce_range=weight_bits == 7,
                         op_types_to_quantize=list(WEIGHT_OPS),
                         extra_options={'OpTypesToExcludeOutputQuantization':
                                        list(FLOAT_OUTPUT_OPS)})
     finally:
         if osp.exists(prepared):
             os.remove(prepared)
+    model = onnx.load(out_path)
     if graph_passes:
-        import onnx
-        model = onnx.load(out_path)
         read_float_where_float(model)
         quantize_before_moves(model)
-        onnx.save(model, out_path)
+    onnx.helper.set_model_props(model, {INT8_WEIGHT_BITS_KEY: str(weight_bits)})
+    onnx.save(model, out_path)
     return out_path
 
 

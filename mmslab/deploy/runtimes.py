@@ -31,6 +31,7 @@ Writing the artifacts is the export side: ``tools/export_onnx.py`` with
 import importlib
 import os
 import os.path as osp
+import warnings
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -229,7 +230,21 @@ class RuntimeModel:
         raise NotImplementedError
 
 
+#: The ONNX metadata key of an onnxruntime INT8 file's weight bits (``quantize_onnxruntime``).
+INT8_WEIGHT_BITS_KEY = 'mmslab_int8_weight_bits'
+
+
+def int8_weight_bits() -> int:
+    """The bits of onnxruntime INT8 weights this CPU computes exactly: 8 with 8-bit dot
+    products (VNNI, AMX), 7 without (see :func:`~.quantize.quantize_onnxruntime`)."""
+    from mmslab.utils.machine import has_int8_dot_product  # torch-free
+    return 8 if has_int8_dot_product() else 7
+
+
 class OnnxRuntimeModel(RuntimeModel):
+    """An ONNX file in onnxruntime's CPU session. Warns when an INT8 file quantized with
+    8-bit weights runs on a CPU that computes 7-bit ones exactly (:func:`int8_weight_bits`):
+    its products saturate there."""
 
     def __init__(self, path: str, threads: int = 0):
         import onnxruntime as ort
@@ -242,6 +257,12 @@ class OnnxRuntimeModel(RuntimeModel):
         shape = inputs[0].shape or [None] * 4
         self.input_hw = tuple(d if isinstance(d, int) else None for d in shape[-2:])
         self.output_names = [o.name for o in self.session.get_outputs()]
+        bits = self.session.get_modelmeta().custom_metadata_map.get(INT8_WEIGHT_BITS_KEY)
+        if bits is not None and int(bits) > int8_weight_bits():
+            warnings.warn(f'{path}: INT8 with {bits}-bit weights on a CPU without 8-bit dot '
+                          f'products (VNNI, AMX), whose onnxruntime kernels saturate on them: '
+                          f'outputs far off. Quantize again on this machine (7-bit weights: '
+                          f'tools/export_onnx.py --int8).')
 
     def _run(self, names: Optional[List[str]], image: np.ndarray) -> List[np.ndarray]:
         return self.session.run(names, {self.input_name: np.ascontiguousarray(image)})
