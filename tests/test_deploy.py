@@ -162,6 +162,12 @@ def test_int8_graphs_are_quantized_and_deviation_is_measured(exported, task):
         records = ex['report']['runtimes'][runtime]['int8_on_test_images']
         assert records  # test images, not the calibration ones (calibration_set: train)
     assert ex['report']['int8']['calibration_set'] == 'train'
+    # the weight bits this CPU computes exactly, in the report and in the file
+    from mmslab.deploy.runtimes import INT8_WEIGHT_BITS_KEY, int8_weight_bits
+    bits = ex['report']['int8']['onnxruntime_weight_bits']
+    assert bits == int8_weight_bits()
+    props = onnx.load(osp.join(ex['export_dir'], 'model_int8.onnx')).metadata_props
+    assert {p.key: p.value for p in props}[INT8_WEIGHT_BITS_KEY] == str(bits)
 
 
 def test_export_refuses_random_weights_without_the_flag(tiny_config, tmp_path, capsys):
