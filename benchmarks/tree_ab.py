@@ -6,6 +6,9 @@ interleaved.
     python benchmarks/tree_ab.py OLD_TREE NEW_TREE --mode runtime --shape 512x512 \
         --variants ort_fp32 ort_int8 ov_fp32 ov_bf16 ov_int8
 
+``--models``: the Mask R-CNN configs' backbones (``control``: the LayerNorm Swin-T) and
+``mmdet``: the control config with mmdet's own Swin-T.
+
 Both trees register the same classes, so each (tree, model) runs in a worker process of its
 own, built once; every round each worker runs one timed call, in rotating order, and only
 one runs at a time. ``--mode infer``: the fused backbone at batch 1 in eager PyTorch;
@@ -27,7 +30,13 @@ import time
 CONFIGS = dict(control='configs/mask_rcnn_swin_t_1x.py',
                prepbn='configs/mask_rcnn_prepbn_swin_t_1x.py',
                slab='configs/mask_rcnn_slab_swin_t_1x.py',
-               repa='configs/mask_rcnn_repa_swin_t_1x.py')
+               repa='configs/mask_rcnn_repa_swin_t_1x.py',
+               mmdet='mmdet:configs/mask_rcnn_swin_t_1x.py')
+#: ``mmdet:CONFIG``: the config with mmdet's own Swin-T as its backbone (the control's
+#: architecture and outputs), which each tree exports with its own rewrites.
+MMDET_SWIN_T = dict(type='SwinTransformer', embed_dims=96, depths=(2, 2, 6, 2),
+                    num_heads=(3, 6, 12, 24), window_size=7, drop_path_rate=0.0,
+                    out_indices=(0, 1, 2, 3))
 VARIANTS = ('ort_fp32', 'ort_int8', 'ov_fp32', 'ov_bf16', 'ov_int8')
 
 
@@ -41,18 +50,29 @@ def worker(tree: str, config: str, mode: str, part: str, precision: str,
     from mmslab.benchmark import fused_copy, trained_like_parameters
     from mmslab.utils.launch import load_config, model_registry
     torch.manual_seed(0)
+    backbone = None
+    if config.startswith('mmdet:'):
+        config, backbone = config[len('mmdet:'):], MMDET_SWIN_T
     if part == 'model':
         from mmslab.utils.launch import build_model_from_config
-        whole = build_model_from_config(f'{tree}/{config}')[1]
+        whole = build_model_from_config(f'{tree}/{config}', backbone=backbone)[1]
         whole.init_weights()
         model = whole.backbone
     else:
         cfg, scope = load_config(f'{tree}/{config}')
-        cfg.model.backbone.init_cfg = None
+        cfg.model.backbone = dict(backbone or cfg.model.backbone, init_cfg=None)
         model = model_registry(scope).build(cfg.model.backbone)
         model.init_weights()
     trained_like_parameters(model)
     inputs = {}
+
+    def fuse(module):
+        """The fused copy; mmdet's Swin backbone as it is (nothing to fuse, and its
+        ``train()`` returns None)."""
+        if backbone is not None and part == 'backbone':
+            module.eval()
+            return module
+        return fused_copy(module.eval())
 
     def image(shape, batch=1):
         if shape not in inputs:
@@ -64,7 +84,7 @@ def worker(tree: str, config: str, mode: str, part: str, precision: str,
         from mmslab.deploy.onnx_export import export_runtime_graphs
         from mmslab.deploy.quantize import quantize_onnxruntime, quantize_openvino
         from mmslab.deploy.runtimes import open_model
-        model, out = fused_copy((whole if part == 'model' else model).eval()), tempfile.mkdtemp()
+        model, out = fuse(whole if part == 'model' else model), tempfile.mkdtemp()
         export_runtime_graphs(model, part, (320, 320), out, ['onnxruntime', 'openvino'],
                               dynamic=True)
         calib = [np.random.RandomState(i).randn(1, 3, 512, 512).astype(np.float32)
@@ -94,7 +114,7 @@ def worker(tree: str, config: str, mode: str, part: str, precision: str,
             with torch.inference_mode():
                 runners[key]()
     elif mode == 'infer':
-        model = fused_copy(model.eval())
+        model = fuse(model)
 
         def call(variant, shape):
             with torch.inference_mode(), torch.autocast(
