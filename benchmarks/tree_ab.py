@@ -104,7 +104,7 @@ def worker(tree: str, config: str, mode: str, part: str, precision: str,
             runs[variant](image(shape))
     elif part == 'model':
         from mmslab.benchmark import make_runners
-        whole, runners = fused_copy(whole.eval()), {}
+        whole, runners = fuse(whole), {}
 
         def call(variant, shape):
             key = (variant, shape)

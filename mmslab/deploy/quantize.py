@@ -31,11 +31,10 @@ def quantize_onnxruntime(onnx_path: str, out_path: str, calibration: Sequence[np
     by MinMax on ``calibration`` images). u8 activations x s8 weights is the combination
     onnxruntime's x86 kernels are fastest with; s8 x s8 ran slower than fp32 here.
 
-    ``weight_bits``: 8, or 7 (weights in [-64, 63]) for x86 CPUs without 8-bit dot products
-    (VNNI, AMX), whose kernels add pairs of u8 x s8 products in 16 bits: with 8-bit weights
-    those sums saturate (a SLAB-Swin-T backbone's outputs 16-18 % off the graph's own
-    values, against 1.5-2.4 % of quantization error), with 7-bit weights they cannot
-    (2 x 255 x 64 < 2^15). None: what this CPU needs (:func:`~.runtimes.int8_weight_bits`).
+    ``weight_bits``: 8, or 7 (weights in [-64, 64]) for x86 CPUs without 8-bit dot products
+    (VNNI, AMX), whose kernels add pairs of u8 x s8 products in 16 bits: 8-bit weights can
+    saturate those sums, 7-bit ones cannot (2 x 255 x 64 < 2^15; figures in
+    docs/deployment.md). None: what this CPU needs (:func:`~.runtimes.int8_weight_bits`).
     The file records it (ONNX metadata ``mmslab_int8_weight_bits``) and
     :class:`~.runtimes.OnnxRuntimeModel` warns where an 8-bit file meets a CPU without them.
 
@@ -57,14 +56,14 @@ def quantize_onnxruntime(onnx_path: str, out_path: str, calibration: Sequence[np
     ``graph_passes``: then :func:`read_float_where_float` and :func:`quantize_before_moves`
     rewrite the quantizer's file (measured with onnxruntime 1.32: docs/benchmarks.md);
     False keeps it as onnxruntime's quantizer wrote it."""
-    import onnx
-    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType,
-                                          quantize_static)
     if weight_bits is None:
         weight_bits = int8_weight_bits()
     if weight_bits not in (7, 8):
         raise ValueError(f'weight_bits={weight_bits!r}; valid: 7, 8 or None (what this CPU '
                          f'needs)')
+    import onnx
+    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType,
+                                          quantize_static)
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     input_name = OnnxRuntimeModel(onnx_path).input_name
