@@ -60,12 +60,12 @@ import mmslab
 from mmslab.benchmark import (measure_interleaved, parse_shape, summarize,
                               trained_like_parameters)
 from mmslab.deploy.export_info import is_segmentor
-from mmslab.deploy.onnx_export import (DEFAULT_ATTENTION_LAYOUT as DEFAULT_ATTENTION,
+from mmslab.deploy.onnx_export import (ATTENTION_LAYOUTS,
+                                       DEFAULT_ATTENTION_LAYOUT as DEFAULT_ATTENTION,
                                        export_runtime_graphs)
 from mmslab.deploy.quantize import quantize_onnxruntime, quantize_openvino
 from mmslab.deploy.runtimes import artifact_path, open_model
 from mmslab.deploy.window_graphs import RUNTIME_HEAD_LAYOUTS
-from mmslab.deploy.window_graphs import ATTENTION_LAYOUTS
 from mmslab.utils.allocator import add_allocator_argument, set_allocator_mode
 from mmslab.utils.machine import machine_info, machine_line
 from mmslab.utils.plotting import grouped_bars, saved_figure

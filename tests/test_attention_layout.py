@@ -14,8 +14,8 @@ import torch
 import mmslab
 from conftest import randomize_weights
 from mmslab.deploy import export_onnx
-from mmslab.deploy.window_graphs import (attention_layout_report, check_attention_layout,
-                                         padded_token)
+from mmslab.deploy.onnx_export import attention_layout_report, check_attention_layout
+from mmslab.deploy.window_graphs import padded_token
 from mmslab.models.layers.window_attention import WindowMSA
 from test_swin_backbones import build_preset
 

@@ -543,11 +543,11 @@ def test_shift_mask_leaves_no_denormal_probabilities(traced_sizes):
     """Softmax over attention scores plus the shift mask gives masked entries of exactly 0,
     never denormal floats (which CPUs multiply many times slower; Swin's -100 gave
     exp(-100) ~ 4e-44), for the constant mask and the one computed in a graph."""
-    from mmslab.models.layers.shift_mask import shift_window_mask
+    from mmslab.models.layers.shift_mask import shift_mask_by_type
     sizes = (21, 14, 7, 7, 3)
     if traced_sizes:  # the map's size (window and shift are constants of the model)
         sizes = (torch.tensor(21), torch.tensor(14)) + sizes[2:]
-    mask = shift_window_mask(*sizes)  # [nW, N, N]
+    mask = shift_mask_by_type(*sizes).dense()  # [nW, N, N]
     assert mask.shape == (6, 49, 49) and (mask < 0).any()
     torch.manual_seed(0)
     scores = torch.randn(6, 3, 49, 49) * 4  # [nW, heads, N, N]
@@ -579,19 +579,17 @@ def test_shift_mask_by_window_kind_is_swins_mask(sizes):
     """Graphs with a free size gather the shift mask from four per-kind masks (interior, last
     column, last row, corner windows): the same masks as Swin's region construction at every
     padded size, from traced map sizes, and the constant mask of Python int sizes too."""
-    from mmslab.models.layers.shift_mask import (SHIFT_MASK_FILL, shift_mask_by_type,
-                                                 shift_window_mask)
+    from mmslab.models.layers.shift_mask import SHIFT_MASK_FILL, shift_mask_by_type
     hp, wp, wh, ww, s = sizes
     ref = swin_img_mask(hp, wp, wh, ww, s) * SHIFT_MASK_FILL
     by_type = shift_mask_by_type(torch.tensor(hp), torch.tensor(wp), wh, ww, s)
     assert by_type.window_type.shape == ((hp // wh) * (wp // ww), )
     assert torch.equal(by_type.dense(), ref)
-    assert torch.equal(shift_window_mask(torch.tensor(hp), torch.tensor(wp), wh, ww, s), ref)
-    assert torch.equal(shift_window_mask(hp, wp, wh, ww, s), ref)
+    assert torch.equal(shift_mask_by_type(hp, wp, wh, ww, s).dense(), ref)
     with pytest.raises(ValueError, match='shift'):
         shift_mask_by_type(hp, wp, wh, ww, min(wh, ww))
     with pytest.raises(TypeError, match='Python ints'):
-        shift_window_mask(hp, wp, torch.tensor(wh), ww, s)
+        shift_mask_by_type(hp, wp, torch.tensor(wh), ww, s)
 
 
 @pytest.mark.parametrize('shift', [False, True])

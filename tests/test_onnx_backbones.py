@@ -16,7 +16,7 @@ from conftest import randomize_weights
 from mmslab.deploy import export_onnx
 from mmslab.deploy.onnx_export import make_exportable
 from mmslab.deploy.quantize import weight_layers
-from mmslab.deploy.window_graphs import attention_layout_report
+from mmslab.deploy.onnx_export import attention_layout_report
 from presets import PRESETS, PVT_TINY, build_preset
 
 

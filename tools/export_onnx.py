@@ -60,14 +60,14 @@ import mmslab
 from mmslab.deploy.compare import FP32_TOLERANCE, compare_outputs, within_fp32_tolerance
 from mmslab.deploy.export_info import (is_segmentor, new_export_info, task_of,
                                        write_export_info)
-from mmslab.deploy.onnx_export import (DEFAULT_ATTENTION_LAYOUT, PARTS, ExportWrapper,
-                                       export_runtime_graphs, onnx_size_mb, torch_outputs)
+from mmslab.deploy.onnx_export import (ATTENTION_LAYOUTS, DEFAULT_ATTENTION_LAYOUT, PARTS,
+                                       ExportWrapper, export_runtime_graphs, onnx_size_mb,
+                                       torch_outputs)
 from mmslab.deploy.quantize import (calibration_images, preprocessed_images,
                                     quantize_onnxruntime, quantize_openvino)
 from mmslab.deploy.runtimes import (RUNTIME_PRECISIONS, RUNTIMES, artifact_path,
                                     choose_deployment, int8_weight_bits, load_runtime_model)
 from mmslab.engine.hooks.reparam_eval_hook import verify_fusion
-from mmslab.deploy.window_graphs import ATTENTION_LAYOUTS
 from mmslab.utils.launch import build_model_from_config, load_config
 from mmslab.utils.machine import has_bf16, machine_info
 

@@ -16,10 +16,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mmslab.models.layers.shift_mask import shift_window_mask
+from mmslab.models.layers.shift_mask import shift_mask_by_type
 from mmslab.models.layers.symbolic import ceil_div, size_max
 from .rewriters import register_rewriter
-from .window_graphs import foreign_window_msa_classes, split_qkv
+from .window_graphs import split_qkv
+
+
+def foreign_window_msa_classes() -> tuple:
+    """mmdet's and mmseg's own ``WindowMSA`` classes, those installed."""
+    classes = []
+    for module in ('mmdet.models.backbones.swin', 'mmseg.models.backbones.swin'):
+        try:
+            classes.append(__import__(module, fromlist=['WindowMSA']).WindowMSA)
+        except ImportError:
+            pass
+    return tuple(classes)
 
 
 def _adaptive_padding_forward(self, x: Tensor) -> Tensor:
@@ -45,7 +56,7 @@ def _shift_window_msa_forward(self, query: Tensor, hw_shape) -> Tensor:
     mask = None
     if s > 0:
         x = torch.roll(x, shifts=(-s, -s), dims=(1, 2))
-        mask = shift_window_mask(hp, wp, ws, ws, s, x.device)  # mmdet's img_mask, in the graph
+        mask = shift_mask_by_type(hp, wp, ws, ws, s, device=x.device).dense()  # img_mask
     windows = x.view(b, hp // ws, ws, wp // ws, ws, c).transpose(2, 3).reshape(-1, ws * ws, c)
     out = self.w_msa(windows, mask=mask)
     x = out.view(b, hp // ws, wp // ws, ws, ws, c).transpose(2, 3).reshape(b, hp, wp, c)

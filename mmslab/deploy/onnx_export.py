@@ -28,15 +28,47 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from mmslab.models.layers.shift_window import ShiftWindowAttention
 from .compare import max_relative_error  # noqa: F401  (re-exported)
 from .export_info import is_detector, is_segmentor
-from . import mmdet_swin  # noqa: F401  (registers mmdet's Swin rewrites)
+from .mmdet_swin import foreign_window_msa_classes  # (also registers mmdet's Swin rewrites)
 from .rewriters import rewritten
-from .window_graphs import RUNTIME_HEAD_LAYOUTS, attention_layout_report, check_attention_layout
+from .window_graphs import RUNTIME_HEAD_LAYOUTS, padded_token
 
 PARTS = ('backbone', 'features', 'model')
+#: The window attentions' graph forms: ``split`` takes :mod:`.window_graphs`' rewrites.
+ATTENTION_LAYOUTS = ('packed', 'split')
 #: Measured faster in OpenVINO (fp32 and INT8) and equal in onnxruntime (docs/benchmarks.md).
 DEFAULT_ATTENTION_LAYOUT = 'split'
+
+
+def check_attention_layout(layout: str) -> str:
+    """``layout`` if it is one of :data:`ATTENTION_LAYOUTS`, else a ``ValueError`` naming them."""
+    if layout not in ATTENTION_LAYOUTS:
+        raise ValueError(f'unknown attention layout {layout!r}; valid: {ATTENTION_LAYOUTS}')
+    return layout
+
+
+def attention_layout_report(model: nn.Module, layout: str) -> dict:
+    """For ``export.json``: ``layout`` and how many window attentions of ``model`` an export
+    in it runs ``split``, ``packed`` (no split form, or no
+    :func:`~.window_graphs.padded_token`), as ``mmdet_window_msa`` (mmdet's / mmseg's own,
+    in ``layout``) or ``cropped`` (``masks_padding``)."""
+    check_attention_layout(layout)
+    foreign_classes = foreign_window_msa_classes()
+    split = packed = foreign = cropped = 0
+    for m in model.modules():
+        if isinstance(m, ShiftWindowAttention):
+            if m.w_msa.masks_padding:
+                cropped += 1
+            elif layout == 'split' and padded_token(m.w_msa) is not None:
+                split += 1
+            else:
+                packed += 1
+        elif foreign_classes and isinstance(m, foreign_classes):
+            foreign += 1
+    return dict(layout=layout, split=split, packed=packed, mmdet_window_msa=foreign,
+                cropped=cropped)
 
 
 def traced_pooling_matrix(size: Tensor, out: int, dtype: torch.dtype) -> Tensor:
@@ -240,7 +272,7 @@ def export_runtime_graphs(model: nn.Module, part: str, shape: Tuple[int, int], o
     onnxruntime is not asked for) and ``openvino/model.xml``. In the ``split`` form the two
     differ, and OpenVINO's IR is converted from a second trace; otherwise from
     ``model.onnx``. Returns the output names and the attention report of ``export.json``
-    (:func:`~.window_graphs.attention_layout_report`) with ``head_layout``:
+    (:func:`attention_layout_report`) with ``head_layout``:
     ``{runtime: head layout}``, ``None`` where no attention has heads to lay out."""
     from .runtimes import RUNTIMES, convert_to_openvino
     unknown = set(runtimes) - set(RUNTIMES)

@@ -1,11 +1,6 @@
-"""Graph forms of mmslab layers, registered per layer type and runtime, applied while exporting.
-
-The pattern of mmdeploy's function rewriters: a model's layers compute one way (the form of
-training and eager inference); what a runtime runs faster is written here, outside the
-model, registered for a layer class and the runtimes it pays in, and bound to the layers
-of one model only inside :func:`rewritten` (``export_onnx`` enters it). Every rewrite gives
-the same numbers as the layer's own form (``tests/test_export.py`` compares the graphs with
-the eager model).
+"""Graph forms of layers, registered per layer class and runtime and bound to one model's
+layers only while exporting (:func:`rewritten`), as mmdeploy's function rewriters. A rewrite
+gives the layer's own numbers in a form the runtime runs faster.
 """
 from contextlib import contextmanager
 from types import MethodType

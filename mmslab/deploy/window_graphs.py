@@ -1,22 +1,8 @@
-"""The window attention kernels' graph forms: rewrites (:mod:`.rewriters`) of the ``split``
-form, the default of ``tools/export_onnx.py`` (``--attention packed`` turns them off), in
-which q, k and v are three MatMuls.
-
-* Window softmax attention (onnxruntime, OpenVINO) gathers its windows from the
-  ``C``-channel tokens (a third of ``qkv``'s output) and projects q, k, v there, the scale
-  folded into q's weights, in the runtime's head layout (:data:`RUNTIME_HEAD_LAYOUTS`):
-  ``window_major``, the multi-head transposes OpenVINO fuses into its attention kernel;
-  ``token_major``, one transpose of the windows to ``[N, B', C]`` and permutations that
-  onnxruntime folds into its products (``FusedMatMul`` with ``transBatch``).
-* SLA (onnxruntime) gathers its cropped windows token-major, its per-head products
-  transposed so that onnxruntime folds the permutations.
-* Kernels that mask padding (OpenVINO) project each group of cropped windows by q, k and
-  v's own MatMuls, with no split of the ``3C`` channels.
-
-What each pays, side by side on whole backbones (onnxruntime 1.32.0, OpenVINO 2026.4.1,
-NNCF 3.4.0), is in docs/benchmarks.md; ``export.json`` records the form of each export
-(:func:`attention_layout_report`).
+"""The window attention kernels' ``split`` graph forms (q, k and v as three MatMuls), rewrites
+(:mod:`.rewriters`) that ``tools/export_onnx.py`` applies unless ``--attention packed``.
+What each pays (onnxruntime 1.32.0, OpenVINO 2026.4.1, NNCF 3.4.0) is in docs/benchmarks.md.
 """
+import functools
 from typing import Optional, Tuple
 
 import numpy as np
@@ -30,23 +16,15 @@ from mmslab.models.layers.shift_window import ShiftWindowAttention
 from mmslab.models.layers.window_attention import WindowKernelBase, WindowMSA
 from .rewriters import register_rewriter
 
-ATTENTION_LAYOUTS = ('packed', 'split')
-#: The head layout of each runtime's ``split`` graph.
+#: The head layout of each runtime's ``split`` graph: ``window_major``, the multi-head
+#: transposes OpenVINO fuses into its attention; ``token_major``, windows as ``[N, B', C]``,
+#: whose permutations onnxruntime folds into its products (``FusedMatMul``).
 RUNTIME_HEAD_LAYOUTS = dict(onnxruntime='token_major', openvino='window_major')
 
 
-def check_attention_layout(layout: str) -> str:
-    """``layout`` if it is one of :data:`ATTENTION_LAYOUTS`, else a ``ValueError`` naming them."""
-    if layout not in ATTENTION_LAYOUTS:
-        raise ValueError(f'unknown attention layout {layout!r}; valid: {ATTENTION_LAYOUTS}')
-    return layout
-
-
 def bias_by_kind(kernel: WindowMSA, shift_mask, dtype: torch.dtype) -> Tensor:
-    """``[1 | nW, heads, N, N]``: the position bias (+ the shift mask), each of the four
-    kinds of window taking bias + mask in one gather: where a mask built from the map is a
-    comparison and a select over ``nW * N * N`` elements and one more pass to add the bias,
-    a sizeable share of a shifted block's time in onnxruntime."""
+    """``[1 | nW, heads, N, N]``: position bias (+ shift mask) in one gather by window kind,
+    where a mask built from the map costs a comparison, a select and an add per element."""
     bias = kernel.position_bias().to(dtype).unsqueeze(0)
     if shift_mask is None:
         return bias
@@ -54,14 +32,10 @@ def bias_by_kind(kernel: WindowMSA, shift_mask, dtype: torch.dtype) -> Tensor:
 
 
 def padded_token(kernel: WindowKernelBase) -> Optional[Tensor]:
-    """``[C]``: the ``qkv`` *input* whose output is the kernel's padded slot
+    """``[C]``: the ``qkv`` input that gives the padded slot
     (:meth:`~mmslab.models.layers.window_attention.WindowKernelBase.padded_qkv`), so windows
-    can be gathered before ``qkv``; None where there is none (the ``packed`` form is used).
-
-    Unfolded: the zero token (padding happens after the norm). Folded into ``qkv``: the raw
-    token the folded norm maps to zero, solved from the weights in float64 (a constant of
-    the graph).
-    """
+    can be gathered before ``qkv``: zero, or with the norm folded in, the token it maps to
+    zero (solved in float64); None where there is none (the ``packed`` form is used)."""
     if kernel.masks_padding or not isinstance(kernel, WindowMSA):
         return None
     weight = kernel.qkv.weight
@@ -101,6 +75,8 @@ def split_qkv(qkv: nn.Linear, windows: Tensor, n: int, num_heads: int, scale: fl
 
 def _attend_padded_split(self: ShiftWindowAttention, x: Tensor, lay: dict,
                          head_layout: str) -> Tensor:
+    """Window softmax attention's windows gathered from the ``C``-channel tokens (a third of
+    ``qkv``'s output), then :func:`split_qkv`."""
     kernel = self.w_msa
     token = padded_token(kernel)
     if token is None:
@@ -120,20 +96,15 @@ def _attend_padded_split(self: ShiftWindowAttention, x: Tensor, lay: dict,
     return out.index_select(1, lay['slot'])
 
 
-@register_rewriter(ShiftWindowAttention, '_attend_padded', ['onnxruntime'], form='split')
-def _attend_padded_token_major(self, x: Tensor, lay: dict) -> Tensor:
-    return _attend_padded_split(self, x, lay, 'token_major')
-
-
-@register_rewriter(ShiftWindowAttention, '_attend_padded', ['openvino'], form='split')
-def _attend_padded_window_major(self, x: Tensor, lay: dict) -> Tensor:
-    return _attend_padded_split(self, x, lay, 'window_major')
+for _runtime, _layout in RUNTIME_HEAD_LAYOUTS.items():
+    register_rewriter(ShiftWindowAttention, '_attend_padded', [_runtime], form='split')(
+        functools.partial(_attend_padded_split, head_layout=_layout))
 
 
 @register_rewriter(ShiftWindowAttention, '_attend_cropped', ['onnxruntime'], form='split')
 def _attend_cropped_token_major(self: ShiftWindowAttention, x: Tensor, lay: dict) -> Tensor:
-    """SLA's cropped windows gathered token-major (``[N, B', C]``, one image), each group
-    through :func:`sla_token_major`; other kernels as in the model."""
+    """SLA's cropped windows gathered token-major (``[N, B', C]``, one image) through
+    :func:`sla_token_major`; other kernels as in the model."""
     kernel = self.w_msa
     if not isinstance(kernel, SLA):
         return ShiftWindowAttention._attend_cropped(self, x, lay)
@@ -157,11 +128,9 @@ def _attend_cropped_token_major(self: ShiftWindowAttention, x: Tensor, lay: dict
 
 def sla_token_major(self: SLA, qkv: Tuple[Tensor, Tensor, Tensor], window_hw,
                     valid: Optional[Tensor] = None, origin=(0, 0)) -> Tensor:
-    """SLA on windows gathered token-major: ``q``, ``k``, ``v`` ``[N, B', C]`` ->
-    ``[B', N, C]``, in per-head products whose operand permutations onnxruntime folds into
-    them, transposed: ``S^T = V^T K`` ``[B', h, d, d]``, the numerator ``S^T q^T`` and the
-    normalizer ``z^T q^T`` ``[B', h, 1, N]`` come out channels-first, as the DWC's output, so
-    one transpose takes their sum to the window tokens."""
+    """SLA on token-major ``q``, ``k``, ``v`` ``[N, B', C]`` -> ``[B', N, C]``, its products
+    transposed (``S^T = V^T K``, ``S^T q^T``, ``z^T q^T``) so that onnxruntime folds the
+    permutations and the result comes out channels-first, as the DWC's."""
     q, k, v = qkv
     n, c = q.shape[0], self.embed_dims
     h, d = self.num_heads, self.head_dims
@@ -196,38 +165,3 @@ def _attend_cropped_three_products(self: ShiftWindowAttention, x: Tensor, lay: d
         qkv = [slots @ w if b is None else slots @ w + b for w, b in zip(weights, biases)]
         outs.append(self._attend_group(qkv, group, group['valid']).reshape(x.shape[0], -1, c))
     return torch.cat(outs, dim=1).index_select(1, lay['slot'])
-
-
-def foreign_window_msa_classes() -> tuple:
-    """mmdet's and mmseg's own ``WindowMSA`` classes, those installed."""
-    classes = []
-    for module in ('mmdet.models.backbones.swin', 'mmseg.models.backbones.swin'):
-        try:
-            classes.append(__import__(module, fromlist=['WindowMSA']).WindowMSA)
-        except ImportError:
-            pass
-    return tuple(classes)
-
-
-def attention_layout_report(model: nn.Module, layout: str) -> dict:
-    """What an export in ``layout`` does with each window attention of ``model`` (for
-    ``export.json``): ``{'layout', 'split', 'packed'}``, the counts of mmslab window kernels
-    in each form (kernels without the split form, or whose folded norm no token maps to
-    zero, stay packed), ``mmdet_window_msa``: mmdet's / mmseg's own ``WindowMSA`` modules
-    (in the chosen layout), and ``cropped``: the kernels that mask padding, whose windows
-    are cropped to their valid tokens."""
-    check_attention_layout(layout)
-    foreign_classes = foreign_window_msa_classes()
-    split = packed = foreign = cropped = 0
-    for m in model.modules():
-        if isinstance(m, ShiftWindowAttention):
-            if m.w_msa.masks_padding:
-                cropped += 1
-            elif layout == 'split' and padded_token(m.w_msa) is not None:
-                split += 1
-            else:
-                packed += 1
-        elif foreign_classes and isinstance(m, foreign_classes):
-            foreign += 1
-    return dict(layout=layout, split=split, packed=packed, mmdet_window_msa=foreign,
-                cropped=cropped)

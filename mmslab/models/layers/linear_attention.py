@@ -1,15 +1,10 @@
-"""Linear-complexity window attentions: simplified linear attention (SLA) and BiNorm.
+"""Linear window attentions: simplified linear attention (SLA) and BiNorm.
 
-Both compute ``K^T V`` first, so time and memory grow linearly with the tokens per window,
-and both exclude padded tokens exactly (padding never changes the valid tokens' outputs):
-``V`` is zero in padded slots (``masks_padding``, see
-:class:`~mmslab.models.layers.window_attention.WindowKernelBase`), so they add nothing to
-``K^T V`` or to SLA's DWC, only SLA's normalizer ``sum relu(k + p)`` needs the mask, and a
-padded slot's output is never read back (its ``q`` and ``k`` may hold anything finite).
-
-Neither has anything of its own to fuse: ``deploy`` only matters to the block, which folds
-its norm into ``qkv`` (giving it a bias). Their ``switch_to_deploy()`` is therefore a no-op
-that any mode allows, kept so that every module taking ``deploy`` has the switch.
+Both compute ``K^T V`` first (linear in the tokens per window) and exclude padded tokens
+exactly (``masks_padding``): a padded slot's ``V`` is zero, so it adds nothing to ``K^T V``
+or SLA's DWC; only SLA's normalizer needs the mask, and no padded slot's output is read.
+Neither has a structure to fuse (the block folds its norm into ``qkv``): their
+``switch_to_deploy()`` is a no-op, kept so that every module taking ``deploy`` has it.
 """
 from typing import Optional, Tuple
 
@@ -26,10 +21,9 @@ from .window_attention import WindowKernelBase
 
 
 def key_sum(k: Tensor, valid: Optional[Tensor]) -> Tensor:
-    """``[B', N, C]`` keys -> ``[B', 1, C]``, their sum over the window's valid tokens (a
-    padded slot's key is ``relu(0 + p)``, not 0, so padding needs the mask). A masked sum
-    rather than a product with the mask: OpenVINO then keeps ``K^T V`` on the quantized keys
-    in int8 in an INT8 graph."""
+    """``[B', N, C]`` keys -> ``[B', 1, C]``: their sum over the valid tokens (a padded key
+    is ``relu(0 + p)``). A masked sum, not a product with the mask: OpenVINO then keeps
+    ``K^T V`` of an INT8 graph in int8."""
     if valid is None:
         return k.sum(dim=-2, keepdim=True)
     nw, n, c = valid.shape[0], k.shape[-2], k.shape[-1]
@@ -38,11 +32,9 @@ def key_sum(k: Tensor, valid: Optional[Tensor]) -> Tensor:
 
 
 def sla_dtype(q: Tensor) -> torch.dtype:
-    """What SLA's kernel sums compute in, given its ``q``: float32 (at least), except bf16
-    inference, which stays in bf16. The sums over a 56 x 56 window pass fp16's 65504, but bf16
-    has float32's range, its matmuls and sums accumulate in float32, and its rounding (2^-9)
-    is what the control's bf16 attention and OpenVINO's bf16 graphs have. Training keeps
-    float32 (its gradients sum over the same windows)."""
+    """The dtype of SLA's sums: at least float32 (over a 56 x 56 window they pass fp16's
+    65504), except in bf16 inference: bf16 has float32's range, accumulates in float32 and
+    rounds as the control's bf16 attention and OpenVINO's bf16 graphs do."""
     if q.dtype == torch.bfloat16 and not torch.is_grad_enabled():
         return q.dtype
     return torch.promote_types(q.dtype, torch.float32)
@@ -61,10 +53,8 @@ class SLA(Reparameterizable, WindowKernelBase):
     Per head ``O_i = relu(q_i) S / (relu(q_i) z + 1e-6) + DWC(V)_i`` with
     ``S = sum_j relu(k_j + p_j)^T v_j`` and ``z = sum_j relu(k_j + p_j)``; ``p`` is a learned
     positional encoding on K (``[1, window_tokens, C]``) and DWC a depth-wise conv over the
-    head channels of V on the window grid, shared by all heads. No softmax, no scale, no
-    shift mask. Computed in float32 even under autocast (the kernel sums are large), except in
-    bf16 inference (:func:`sla_dtype`).
-    Windows cropped to their valid tokens take the positional encoding of their positions.
+    head channels of V on the window grid, shared by all heads. No softmax, scale or shift
+    mask; computed in :func:`sla_dtype` even under autocast.
 
     Args:
         embed_dims (int): The feature dimension.
@@ -108,9 +98,8 @@ class SLA(Reparameterizable, WindowKernelBase):
         pass  # structure-free (see the module docstring)
 
     def _positional_encoding(self, window_hw, origin=(0, 0)) -> Tensor:
-        """``[1, wh*ww, C]`` encoding of a ``window_hw`` window: the learned one, cropped to
-        a span of the window starting at ``origin``, or (``resize_pos``: global attention)
-        bilinearly resized to the map's grid."""
+        """``[1, wh*ww, C]`` encoding of a ``window_hw`` span at ``origin`` of the window, or
+        (``resize_pos``) of the whole map, bilinearly resized."""
         c = self.embed_dims
         wh, ww = window_hw
         pos = self.positional_encoding
@@ -150,8 +139,8 @@ class SLA(Reparameterizable, WindowKernelBase):
         return out.to(in_dtype)
 
     def value_conv(self, v_map: Tensor) -> Tensor:
-        """The DWC shared by the heads, as one depth-wise conv over all ``C`` channels (its
-        weights tiled over the heads), in ``v_map``'s dtype: ``[B', C, wh, ww]`` -> same."""
+        """The heads' shared DWC as one depth-wise conv over ``C`` channels: ``[B', C, wh,
+        ww]`` -> same, in ``v_map``'s dtype."""
         h, w, b = self.num_heads, self.dwc.weight, self.dwc.bias
         return F.conv2d(v_map, w.repeat(h, 1, 1, 1).to(v_map.dtype),
                         None if b is None else b.repeat(h).to(v_map.dtype),
@@ -163,7 +152,7 @@ class BiNormAttention(Reparameterizable, WindowKernelBase):
     """BiNorm attention (ViBid, eq. 5) inside windows.
 
     Per head ``O = L2norm_channels(Q) @ L2norm_keychannels(K^T V)``: ``K^T V`` first (linear
-    in tokens), no softmax, no scale. Computed in float32 even under autocast, as SLA.
+    in tokens), no softmax or scale; in float32 even under autocast (as SLA).
 
     Args:
         embed_dims (int): The feature dimension.
@@ -193,17 +182,13 @@ class BiNormAttention(Reparameterizable, WindowKernelBase):
 
     def attend(self, qkv, window_hw: Tuple[int, int], shift_mask=None,
                valid: Optional[Tensor] = None, origin: Tuple[int, int] = (0, 0)) -> Tensor:
-        # (origin: position-free, a cropped window computes as any other)
-        # K^T V sums over every token of the window (3136 in a 56 x 56 one): in float16 it
-        # overflows, and the L2 norms after it lose precision; float32 even under autocast.
-        # (Casts only where the dtype differs: fp32 graphs stay as they were.)
-        # qkv: [B', N, 3C] or its three [B', N, C] parts (as SLA.attend)
+        # position-free: ignores origin. K^T V over a 56 x 56 window overflows float16;
+        # casts only where the dtype differs (fp32 graphs have none)
         parts = qkv.split(self.embed_dims, dim=-1) if isinstance(qkv, Tensor) else qkv
         in_dtype = parts[0].dtype
         dtype = torch.promote_types(in_dtype, torch.float32)
         low = in_dtype != dtype
         with torch.autocast(device_type=parts[0].device.type, enabled=False):
-            # padded slots hold zeros (the caller's contract): they add nothing to K^T V
             q, k, v = (_split_heads(t.to(dtype) if low else t, self.num_heads) for t in parts)
             kv = F.normalize(k.transpose(-2, -1) @ v, dim=-2, eps=self.eps)  # key channels
             out = F.normalize(q, dim=-1, eps=self.eps) @ kv

@@ -1,14 +1,9 @@
-"""The shift mask of Swin's shifted windows: which tokens of a window may attend to which.
+"""The shift mask of Swin's shifted windows.
 
-A cyclic shift by ``s`` wraps the bottom and right strips of the padded map into the last
-window row and column, so tokens that were not neighbours share those windows; an additive
-mask keeps them apart. Only the last window row and column hold wrapped strips, so there are
-four kinds of window (:data:`WINDOW_TYPES`): interior, last column, last row, corner; each
-kind has one ``[N, N]`` mask that does not depend on the map size (:func:`shift_mask_table`).
-
-:func:`shift_window_mask` gives the ``[nW, N, N]`` mask of Swin (mmdet's ``img_mask``) from
-them, gathered by window kind (:class:`ShiftMaskByType`) rather than built by comparing every
-pair of tokens.
+A cyclic shift wraps the padded map's bottom and right strips into the last window row and
+column, where an additive mask keeps tokens that were not neighbours apart. So there are
+four kinds of window (:data:`WINDOW_TYPES`), each with one ``[N, N]`` mask whatever the map
+size; Swin's ``[nW, N, N]`` mask is a gather of them by window kind.
 """
 from typing import NamedTuple, Optional
 
@@ -18,12 +13,9 @@ from torch import Tensor
 
 from .symbolic import Size
 
-#: Additive shift-mask value between regions. Swin's (mmdet's) -100 leaves the masked
-#: softmax probabilities near exp(-100) ~ 4e-44, denormal floats, which x86 CPUs process
-#: many times slower: onnxruntime's product of those probabilities with V made every shifted
-#: block several times slower than an unshifted one.
-#: At -1e4 they are exactly 0, which -100's are to float precision (the same outputs);
-#: fp16 holds it.
+#: Additive mask value between regions. Swin's -100 leaves masked probabilities near
+#: exp(-100), denormal floats that x86 CPUs process many times slower; at -1e4 they are
+#: exactly 0 (what -100's are to float precision), and fp16 holds it.
 SHIFT_MASK_FILL = -1e4
 
 #: Window kinds, as the index of :func:`shift_mask_table`: 2 * (in the last window row) +
@@ -51,28 +43,18 @@ def shift_mask_table(wh: int, ww: int, s: int) -> np.ndarray:
     return np.stack(table).astype(np.float32)
 
 
-def window_types(nwh: Size, nww: Size, device=None) -> Tensor:
-    """``[nWh * nWw]`` int64 kind (:data:`WINDOW_TYPES`) of every window, row-major."""
-    last_row = (torch.arange(nwh, device=device) == nwh - 1).long() * 2
-    last_col = (torch.arange(nww, device=device) == nww - 1).long()
-    return (last_row.view(-1, 1) + last_col.view(1, -1)).reshape(-1)
-
-
 class ShiftMaskByType(NamedTuple):
-    """The ``[nW, N, N]`` shift mask as ``table[window_type]``: ``table`` ``[4, N, N]``
-    (:func:`shift_mask_table`, a constant of the window and shift) and ``window_type``
-    ``[nW]`` (:func:`window_types`, from the map size). A kernel adds its own per-kind terms
-    before the gather (``WindowMSA`` gathers position bias + mask per kind): one gather
-    where a mask built from token regions takes a comparison and a select over
-    ``nW * N * N`` elements. ``key``: the padded map's ``(hp, wp)`` where they are Python
-    ints (what a kernel may cache the gathered terms under), else None."""
+    """The ``[nW, N, N]`` shift mask (Swin's ``img_mask``, :meth:`dense`) as
+    ``table[window_type]`` (``[4, N, N]``: :func:`shift_mask_table`; ``[nW]``: each
+    window's kind, row-major), so a kernel can gather its own per-kind terms with it.
+    ``key``: the padded map's ``(hp, wp)`` where they are Python ints, else None."""
     table: Tensor
     window_type: Tensor
     key: Optional[tuple] = None
 
     def dense(self) -> Tensor:
         """``[nW, N, N]``."""
-        return self.table.index_select(0, self.window_type)
+        return self.gather(self.table)
 
     def gather(self, per_type: Tensor) -> Tensor:
         """``per_type`` ``[4, ...]`` (terms of each window kind) -> ``[nW, ...]``."""
@@ -87,12 +69,9 @@ def shift_mask_by_type(hp: Size, wp: Size, wh: int, ww: int, s: int, dtype=torch
         raise TypeError(f'shift mask: window ({wh}, {ww}) and shift {s} must be Python ints; '
                         'only the map size (hp, wp) may be traced')
     table = torch.from_numpy(shift_mask_table(wh, ww, s)).to(device=device, dtype=dtype)
+    nwh, nww = hp // wh, wp // ww
+    last_row = (torch.arange(nwh, device=device) == nwh - 1).long() * 2
+    last_col = (torch.arange(nww, device=device) == nww - 1).long()
+    window_type = (last_row.view(-1, 1) + last_col.view(1, -1)).reshape(-1)
     key = (hp, wp) if isinstance(hp, int) and isinstance(wp, int) else None
-    return ShiftMaskByType(table, window_types(hp // wh, wp // ww, device), key)
-
-
-def shift_window_mask(hp: Size, wp: Size, wh: int, ww: int, s: int, device=None) -> Tensor:
-    """``[nW, N, N]`` additive mask (0 / :data:`SHIFT_MASK_FILL`) that keeps the regions a
-    cyclic shift by ``s`` wrapped around a padded ``hp x wp`` map from attending to each
-    other (Swin's ``img_mask``), windows row-major."""
-    return shift_mask_by_type(hp, wp, wh, ww, s, device=device).dense()
+    return ShiftMaskByType(table, window_type, key)

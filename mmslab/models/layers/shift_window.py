@@ -1,24 +1,17 @@
 """(Shifted) windows around any window attention kernel, as mmdet's ``ShiftWindowMSA``.
 
-Pad + cyclic shift + window partition is one gather of the tokens, and its inverse one
-gather back; the index maps come from the map size by :func:`padded_windows` and
-:func:`cropped_windows`, which take Python ints (eager runs: the maps are cached per size),
-dynamo's symbolic ints (``torch.compile``) or traced sizes (export: the graph computes them,
-so it serves any input size).
+Pad + cyclic shift + window partition is one gather of the tokens and its inverse one gather
+back. The index maps come from the map size, given as Python ints (eager: cached per size),
+symbolic ints (``torch.compile``) or traced sizes (export: any input size).
 
-Where the windows do not tile the map, the padding is handled by what the kernel computes:
-
-* a kernel whose padded tokens take part (softmax ``WindowMSA``: a padded token is a zero
-  *normalized* token, as in mmdet's Swin) runs on the padded windows;
-* a kernel that excludes padded tokens (``masks_padding``: SLA, BiNorm) gives the same
-  numbers on the padded windows, the padded slots masked, and on the windows cropped to the
-  spans that hold valid tokens, in four groups of equal span (interior windows, last window
-  column, last window row, corner): cropped on the CPU and in exported graphs, where time is
-  arithmetic (at 512x512 SLAB-Swin-T's first stage has 16384 tokens in 28224 padded window
-  slots), padded on a GPU, where it is kernel launches, and under ``torch.compile``, which
-  would recompile for cropped spans of size 1. Kernels with a position-dependent part
-  (SLA's positional encoding and DWC) receive where a span starts in its window
-  (``origin``).
+Padding follows what the kernel computes. Softmax ``WindowMSA`` attends to padded tokens
+(zero *normalized* tokens, as in mmdet's Swin): padded windows. Kernels that exclude them
+(``masks_padding``: SLA, BiNorm) give the same numbers on padded windows with the padded
+slots masked and on windows cropped to their valid spans, in four groups of equal span
+(interior, last column, last row, corner). Cropped on the CPU and in exports, where time is
+arithmetic (SLAB-Swin-T's first stage at 512x512: 16384 tokens in 28224 padded slots); padded
+on a GPU, where time is kernel launches, and under ``torch.compile``, which would recompile
+for spans of size 1. A cropped span's offset in its window is passed as ``origin``.
 """
 from typing import Tuple
 
@@ -58,22 +51,15 @@ def padded_windows(h: Size, w: Size, wh: int, ww: int, s: int, device=None) -> d
 
 
 def _axis_spans(size: Size, win: int, shift: Size) -> dict:
-    """The (shifted, padded) windows along one axis, in two classes of span:
+    """The (shifted, padded) windows along one axis, in two classes of span: ``full``,
+    windows ``0 .. n-2`` of ``win`` positions; ``tail``, the span of the last window that
+    holds valid tokens (unshifted its valid prefix; shifted, where it wraps the map's first
+    ``shift`` tokens, the whole window if valid tokens precede its padding, which SLA's
+    convolution must see, else the ``shift`` wrapped tokens). Neither class is empty: a graph
+    holds no zero-size tensor (a one-window map's ``full`` window is never read back).
 
-    * ``full``: windows ``0 .. n-2`` of the padded frame, ``win`` positions each (shifted,
-      the last of them may end in padded positions: masked);
-    * ``tail``: the span ``[tail_start, tail_start + tail_len)`` of the last window that
-      holds its valid tokens. Unshifted, the window's valid prefix; shifted, the window wraps
-      the map's first ``shift`` tokens behind its last ones: the whole window (the padding
-      between the two parts kept, for SLA's convolution) when valid tokens precede the
-      padding, else only the wrapped ``shift`` tokens.
-
-    No class is empty (a graph holds no zero-size tensor): a map of one window has one
-    ``full`` window anyway, whose outputs no token reads back.
-
-    Returns ``full_src`` ``[full_count, win]`` and ``tail_src`` ``[tail_len]`` (the source
-    coordinate of every position, ``>= size`` where padded), and for every coordinate its
-    class (``tail``), window in the class and position in that window.
+    Returns ``full_src`` ``[full_count, win]`` and ``tail_src`` ``[tail_len]`` (source
+    coordinates, ``>= size`` where padded) and each coordinate's class, window and position.
     """
     n = ceil_div(size, win)
     padded = n * win
@@ -96,12 +82,11 @@ def _axis_spans(size: Size, win: int, shift: Size) -> dict:
 
 def cropped_windows(h: Size, w: Size, wh: int, ww: int, s: Size, device=None) -> dict:
     """The windows of an ``h x w`` map (shift ``s``) cropped to their valid spans, in four
-    groups (full x full, full x tail, tail x full, tail x tail: :func:`_axis_spans`).
+    groups (full / tail rows x full / tail columns: :func:`_axis_spans`).
 
-    Returns ``groups``, each with ``count`` (windows), ``hw`` (the span), ``origin`` (where
-    the span starts in its window), ``gather`` (``[count * span]`` source token of every slot,
-    a valid token for a padded slot) and ``valid`` (``[count, span]`` bool); and ``slot``
-    (``[h*w]``: every token's slot in the groups' concatenation)."""
+    Returns ``groups``, each with ``count``, ``hw`` (span), ``origin``, ``gather``
+    (``[count * span]`` source tokens; a valid one for a padded slot) and ``valid``
+    (``[count, span]``), and ``slot`` (``[h*w]``: each token's slot in the groups in turn)."""
     if is_traced(h):
         device = h.device
     axes = (_axis_spans(h, wh, s), _axis_spans(w, ww, s))
@@ -155,20 +140,15 @@ def split_slots(t: Tensor, sizes: list) -> Tuple[Tensor, ...]:
 class ShiftWindowAttention(nn.Module):
     """Window attention with optional cyclic shift, as mmdet's ``ShiftWindowMSA``.
 
-    ``w_msa`` holds the window kernel (softmax ``WindowMSA``, ``SLA``, ``BiNormAttention``,
-    any :class:`~mmslab.models.layers.window_attention.WindowKernelBase`); the attribute keeps
-    mmdet's name so that mmdet Swin state dicts load with their keys unchanged. A map that
-    fits in one window takes no shift for kernels that mask padding (the window shrinks to
-    the map, as Swin does when a stage's resolution is at most the window).
+    ``w_msa`` (mmdet's name, so mmdet Swin state dicts load) holds the kernel, any
+    :class:`~mmslab.models.layers.window_attention.WindowKernelBase`. For kernels that mask
+    padding a map within one window takes no shift (Swin's window shrinks to such a map).
 
     Shape: ``[B, H*W, C]`` with ``hw_shape=(H, W)`` -> ``[B, H*W, C]``.
     """
 
-    #: Eager CPU inference of kernels that mask padding runs ``qkv``, the kernel and ``proj``
-    #: on chunks of windows of about this many input values (tokens x channels, 4.8 MB in
-    #: float32), whose intermediates stay in cache between those steps. Measured with
-    #: SLAB-Swin-T at 512x512 and 800x1344 on a CPU: stage 1 (96 channels) fastest at 12544
-    #: tokens a chunk, stage 2 (192) at 3136-6272; the whole map at once slower.
+    #: Input values (tokens x channels) per chunk of cropped windows in eager CPU inference:
+    #: ``qkv``, kernel and ``proj`` of a chunk stay in cache (docs/benchmarks.md).
     chunk_values = 12544 * 96
 
     def __init__(self, embed_dims: int, num_heads: int, window_size: int, shift: bool = False,
@@ -185,9 +165,8 @@ class ShiftWindowAttention(nn.Module):
         self._layouts = {}  # per eager input size; bounded (see _layout)
 
     def _layout(self, h: Size, w: Size, device, cropped: bool = False) -> dict:
-        """The window maps of an ``h x w`` map: :func:`cropped_windows` or
-        :func:`padded_windows` (+ the shift mask). Kept per size for eager runs (up to 16
-        sizes), computed in the graph otherwise."""
+        """:func:`cropped_windows` or :func:`padded_windows` (+ shift mask) of an ``h x w``
+        map; eager runs keep them for up to 16 sizes."""
         eager = isinstance(h, int) and isinstance(w, int) and \
             not torch.compiler.is_compiling()
         key = (h, w, str(device), cropped)
@@ -195,10 +174,8 @@ class ShiftWindowAttention(nn.Module):
             return self._layouts[key]
         wh, ww = self.window_size
         s = self.shift_size
-        if self.w_msa.masks_padding:
-            # a map that fits in one window takes no shift (a full window keeps it)
-            if s:
-                s = select((h <= wh) & (w <= ww) & ((h != wh) | (w != ww)), 0, s)
+        if self.w_msa.masks_padding and s:  # a map within one window (not a full one)
+            s = select((h <= wh) & (w <= ww) & ((h != wh) | (w != ww)), 0, s)
         # plain tensors even when first made in inference mode: a model evaluated under
         # torch.inference_mode and trained afterwards reuses them in autograd
         with torch.inference_mode(False):
@@ -225,10 +202,7 @@ class ShiftWindowAttention(nn.Module):
             raise ValueError(f'input has {x.shape[1]} tokens but hw_shape {hw_shape} '
                              f'has {h * w}')
         kernel = self.w_msa
-        # Kernels that mask padding: cropped windows on the CPU, whose time is arithmetic
-        # (and in exports); padded ones on a GPU, whose time is kernel launches (one call for
-        # every window where the cropped groups take four), and under torch.compile (the
-        # cropped spans' sizes can be 1, which dynamo would specialize and recompile).
+        # cropped windows where time is arithmetic (the module docstring)
         cropped = kernel.masks_padding and x.device.type == 'cpu' and \
             not torch.compiler.is_compiling()
         lay = self._layout(h, w, x.device, cropped)
@@ -241,9 +215,8 @@ class ShiftWindowAttention(nn.Module):
         return kernel.proj_drop(kernel.proj(out))
 
     def _attend_padded(self, x: Tensor, lay: dict) -> Tensor:
-        """The kernel on every padded window; padded slots hold what a zero normalized token
-        gives after ``qkv`` (:meth:`WindowKernelBase.padded_qkv`), zeros for a kernel that
-        masks padding (which gets the windows' ``valid`` slots)."""
+        """The kernel on every padded window, whose padded slots hold
+        :meth:`~mmslab.models.layers.window_attention.WindowKernelBase.padded_qkv`."""
         kernel = self.w_msa
         b, c = x.shape[0], kernel.embed_dims
         n = self.window_size[0] * self.window_size[1]
@@ -264,8 +237,8 @@ class ShiftWindowAttention(nn.Module):
         return out.reshape(b, -1, c).index_select(1, lay['slot'])
 
     def _attend_cropped(self, x: Tensor, lay: dict) -> Tensor:
-        """The kernel on each group of cropped windows (:func:`cropped_windows`): every
-        group's slots in one gather and one ``qkv``, a call per group, one gather back."""
+        """The kernel on each group of :func:`cropped_windows`: one gather and ``qkv`` for
+        all groups, a call per group, one gather back."""
         kernel = self.w_msa
         b, c = x.shape[0], kernel.embed_dims
         groups = lay['groups']
@@ -279,10 +252,9 @@ class ShiftWindowAttention(nn.Module):
         return torch.cat(outs, dim=1).index_select(1, lay['slot'])
 
     def _attend_group(self, qkv, group: dict, valid: Tensor) -> Tensor:
-        """q, k, v ``[B, S, C]`` of the slots of ``valid`` ``[count, span]`` windows ->
-        ``[B*count, span, C]``. Padded slots' ``V`` is zeroed (they add nothing to the
-        kernel's sums) and the kernel masks their keys; unshifted, no window read back holds
-        a padded slot (:func:`_axis_spans`), so no mask is needed."""
+        """q, k, v ``[B, S, C]`` of ``valid`` ``[count, span]`` windows -> ``[B*count, span,
+        C]``, padded slots' ``V`` zeroed. Unshifted, no window read back holds a padded slot
+        (:func:`_axis_spans`): no mask."""
         c = self.w_msa.embed_dims
         n = group['hw'][0] * group['hw'][1]
         q, k, v = qkv
@@ -294,16 +266,14 @@ class ShiftWindowAttention(nn.Module):
         return self.w_msa.attend(parts, group['hw'], valid=valid, origin=group['origin'])
 
     def runs_in_chunks(self, hw_shape) -> bool:
-        """Whether cropped windows (a kernel that masks padding, on the CPU: linear
-        attention, whose unfused steps each read and write the whole map) run in chunks
-        (:meth:`_forward_in_chunks`): in eager inference (no gradients, sizes known)."""
+        """Whether cropped windows run in chunks (:meth:`_forward_in_chunks`): in eager
+        inference (no gradients, sizes known)."""
         return not torch.is_grad_enabled() and all(isinstance(n, int) for n in hw_shape) \
             and not torch.jit.is_tracing()
 
     def _forward_in_chunks(self, x: Tensor, groups: list) -> Tensor:
-        """:meth:`_attend_cropped` and ``proj`` a chunk of about :attr:`chunk_values` input
-        values at a time: each chunk of windows gathered, run through ``qkv``, the kernel
-        and ``proj``, and written to its tokens."""
+        """:meth:`_attend_cropped` and ``proj``, :attr:`chunk_values` input values of windows
+        at a time, each chunk written to its tokens."""
         kernel = self.w_msa
         b, c = x.shape[0], kernel.embed_dims
         tokens = None

@@ -1,11 +1,6 @@
-"""Size arithmetic that serves every kind of size: Python ints (eager runs), dynamo's
-symbolic ints (``torch.compile``) and 0-d tensors (sizes read while a graph is traced for
-export).
-
-Layers write what depends on the input size once, with these helpers, so that one forward
-gives a graph of free height and width when traced and plain constants when run eagerly.
-Sizes are non-negative, where ONNX ``Div`` (truncating) and Python's ``//`` (flooring)
-agree; ceilings are written ``(n + d - 1) // d`` for that reason.
+"""Size arithmetic for Python ints (eager), symbolic ints (``torch.compile``) and 0-d tensors
+(traced for export), so that one forward gives constants eagerly and a free-size graph when
+traced. Sizes are non-negative, where ONNX ``Div`` and Python's ``//`` agree.
 """
 from typing import Union
 

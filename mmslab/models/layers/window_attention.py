@@ -1,12 +1,5 @@
-"""Window multi-head self-attention with relative position bias (Swin).
-
-Computed with PyTorch's fused attention (``scaled_dot_product_attention``) in training,
-eager inference and ``torch.compile`` alike; exported graphs take the runtimes' forms
-registered in ``mmslab.deploy``.
-
-Parameter names follow mmdet's ``WindowMSA`` (``qkv``, ``proj``,
-``relative_position_bias_table``, ``relative_position_index``) so mmdet Swin weights load.
-"""
+"""Window multi-head self-attention with relative position bias (Swin), on PyTorch's fused
+attention; parameter names as mmdet's ``WindowMSA``, so mmdet Swin weights load."""
 from typing import Optional, Tuple
 
 import torch
@@ -31,22 +24,16 @@ def relative_position_index(window_size: Tuple[int, int]) -> Tensor:
 
 
 class WindowKernelBase(nn.Module):
-    """What a window attention kernel is: ``qkv`` and ``proj`` Linears around :meth:`attend`.
+    """A window attention kernel: ``qkv`` and ``proj`` Linears around :meth:`attend`, which
+    :class:`~mmslab.models.layers.shift_window.ShiftWindowAttention` calls on the windows.
 
-    The surrounding :class:`~mmslab.models.layers.shift_window.ShiftWindowAttention` pads,
-    shifts and partitions the tokens, calls :meth:`attend` on the windows after ``qkv`` and
-    applies ``proj`` to the result in token order.
+    Class attributes: ``uses_shift_mask`` (mask the cyclic shift's seams, as Swin),
+    ``masks_padding`` (padded tokens take no part: their ``V`` is zero and ``valid`` marks
+    them; otherwise they are zero normalized tokens, as in mmdet's Swin) and
+    ``softmax_options`` (the constructor takes ``qk_scale`` and ``attn_drop``).
 
-    Class attributes: ``uses_shift_mask`` (mask the cyclic-shift seams, Swin style),
-    ``masks_padding`` (padded tokens are excluded from the attention: the kernel runs on
-    windows cropped to their valid tokens, where the slots still padded hold a zero ``V``
-    and are marked by ``valid``; otherwise padded slots take the value a zero normalized
-    token has after ``qkv``, as in mmdet's Swin) and ``softmax_options`` (the constructor
-    takes ``qk_scale`` and ``attn_drop``).
-
-    Buffer ``qkv_pad`` (``[3C]``, only once the block's norm is folded into ``qkv`` and
-    padding is not masked) stores :meth:`padded_qkv`: the pre-fold bias, which the folded
-    ``qkv`` would not give for a zero token.
+    Buffer ``qkv_pad`` (``[3C]``): :meth:`padded_qkv` once the block's norm is folded into
+    ``qkv``, which then no longer maps a zero token to it.
     """
 
     uses_shift_mask = True
@@ -70,20 +57,17 @@ class WindowKernelBase(nn.Module):
 
     def attend(self, qkv, window_hw: Tuple[int, int], shift_mask=None,
                valid: Optional[Tensor] = None, origin: Tuple[int, int] = (0, 0)) -> Tensor:
-        """The attention inside each window: ``qkv`` ``[B', N, 3C]`` (or its three
-        ``[B', N, C]`` parts) -> ``[B', N, C]``, before ``proj``.
-
-        ``window_hw``: the windows' size (``N = wh * ww``); ``shift_mask``: the cyclic
-        shift's mask (:class:`~mmslab.models.layers.shift_mask.ShiftMaskByType`, for kernels
-        with ``uses_shift_mask``); ``valid`` ``[nW, N]``: the unpadded slots of each window,
-        repeated over the images (kernels with ``masks_padding``; None: all valid);
-        ``origin``: where a window cropped to a span starts in the full window.
+        """``qkv`` ``[B', N, 3C]`` (or its three ``[B', N, C]`` parts) of windows of
+        ``window_hw`` -> ``[B', N, C]`` before ``proj``. ``shift_mask``:
+        :class:`~mmslab.models.layers.shift_mask.ShiftMaskByType` (``uses_shift_mask``);
+        ``valid`` ``[nW, N]``: each window's unpadded slots, repeated over the images
+        (``masks_padding``; None: all); ``origin``: a cropped span's offset in its window.
         """
         raise NotImplementedError
 
     def padded_qkv(self) -> Tensor:
-        """``[3C]`` value of a padded token after ``qkv``: zeros for kernels that mask padding
-        (a zero ``V``) and for a ``qkv`` without bias."""
+        """``[3C]``: a padded slot after ``qkv``: a zero token's (the unfolded bias); zeros
+        for kernels that mask padding."""
         if self.qkv_pad is not None:
             return self.qkv_pad
         if self.masks_padding or self.qkv.bias is None:
@@ -91,8 +75,7 @@ class WindowKernelBase(nn.Module):
         return self.qkv.bias
 
     def expect_folded_input_norm(self) -> None:
-        """Declare the state of a kernel whose input norm is folded into ``qkv`` (the
-        ``deploy=True`` form), so a fused checkpoint's ``qkv_pad`` loads."""
+        """Make room for a fused checkpoint's ``qkv_pad`` (``deploy=True``)."""
         if not self.masks_padding:
             self.qkv_pad = self.qkv.weight.new_zeros(self.qkv.out_features)
 
@@ -110,8 +93,7 @@ class WindowKernelBase(nn.Module):
 class WindowMSA(Reparameterizable, WindowKernelBase):
     """Softmax attention in a window with a learned relative position bias (Swin).
 
-    In deploy mode the bias table is gathered once into a ``[heads, N, N]`` buffer and masked
-    biases are cached per padded input size, so a forward pass does no index gathering.
+    In deploy mode the bias table is gathered once into a ``[heads, N, N]`` buffer.
 
     Args:
         embed_dims (int): The feature dimension.
@@ -173,10 +155,9 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
         return bias
 
     def _attn_mask(self, shift_mask, bw: int, dtype: torch.dtype) -> Tensor:
-        """``[B*nW, heads, N, N]`` additive mask: position bias (+ shift mask), materialized:
-        PyTorch's fused CPU attention kernel takes a contiguous 4-D mask (a broadcast one
-        falls back to its slow path). In eager deploy mode it is a constant, kept for the
-        last 8 batch and map sizes while the bias is unchanged."""
+        """``[B*nW, heads, N, N]`` position bias (+ shift mask), contiguous (PyTorch's fused
+        CPU attention takes a broadcast mask on its slow path); in eager deploy mode a
+        constant, kept for up to 8 batch and map sizes while the bias is unchanged."""
         key = None
         if self.deploy and isinstance(bw, int) and not torch.compiler.is_compiling() and \
                 not torch.jit.is_tracing() and (shift_mask is None or shift_mask.key is not None):
