@@ -54,9 +54,8 @@ def padded_token(kernel: WindowKernelBase) -> Optional[Tensor]:
 
 def split_qkv(qkv: nn.Linear, windows: Tensor, n: int, num_heads: int, scale: float,
               head_layout: str) -> Tuple[Tensor, Tensor, Tensor]:
-    """The ``split`` form's projections: ``[B', N, C]`` window tokens -> ``q`` (scaled) and
-    ``v`` ``[B', heads, N, d]``, ``k`` ``[B', heads, d, N]``, as three MatMuls in
-    ``head_layout``."""
+    """Three MatMuls in ``head_layout``: ``[B', N, C]`` window tokens -> ``q`` (scaled) and
+    ``v`` ``[B', heads, N, d]``, ``k`` ``[B', heads, d, N]``."""
     d = qkv.out_features // (3 * num_heads)
     w_q, w_k, w_v = qkv.weight.chunk(3)
     b_q, b_k, b_v = qkv.bias.chunk(3) if qkv.bias is not None else (None, ) * 3
@@ -87,9 +86,8 @@ def _attend_padded_split(self: ShiftWindowAttention, x: Tensor, lay: dict,
     windows = torch.cat([x, row], dim=1).index_select(1, lay['gather']).reshape(-1, n, c)
     q, k, v = split_qkv(kernel.qkv, windows, n, kernel.num_heads, kernel.scale, head_layout)
     attn = q @ k  # [B', heads, N, N]
-    # Exports take one image, so B' = nW and the [nW, heads, N, N] bias adds as is:
-    # MatMul -> Add -> Softmax -> MatMul, with no reshape for runtimes to fuse over (a batch
-    # of several images fails on the shapes, never silently).
+    # one image: B' = nW, so the [nW, heads, N, N] bias adds with no reshape for runtimes
+    # to fuse over (several images fail on the shapes, never silently)
     bias = bias_by_kind(kernel, lay.get('shift_mask'), attn.dtype)
     out = (attn + (bias[0] if 'shift_mask' not in lay else bias)).softmax(dim=-1) @ v
     out = out.transpose(1, 2).reshape(b, -1, c)

@@ -70,8 +70,7 @@ class SLA(Reparameterizable, WindowKernelBase):
             Default: False.
         deploy (bool): The fused form; SLA has no structure to fuse, so both forms are the
             same. Default: False.
-        **kwargs: The softmax options ``qk_scale`` and ``attn_drop``, accepted only at their
-            neutral values (None, 0.0) so that configs may pass them to every kernel.
+        **kwargs: ``qk_scale`` and ``attn_drop``, accepted at their neutral values only.
     """
 
     uses_shift_mask = False
@@ -162,8 +161,7 @@ class BiNormAttention(Reparameterizable, WindowKernelBase):
         proj_drop (float): Dropout rate after the output projection. Default: 0.0.
         deploy (bool): The fused form; BiNorm has no structure to fuse, so both forms are the
             same. Default: False.
-        **kwargs: The softmax options ``qk_scale`` and ``attn_drop``, accepted only at their
-            neutral values (None, 0.0) so that configs may pass them to every kernel.
+        **kwargs: ``qk_scale`` and ``attn_drop``, accepted at their neutral values only.
     """
 
     uses_shift_mask = False

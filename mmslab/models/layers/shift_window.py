@@ -125,18 +125,6 @@ def cropped_windows(h: Size, w: Size, wh: int, ww: int, s: Size, device=None) ->
     return dict(groups=groups, slot=slot.reshape(-1))
 
 
-def split_slots(t: Tensor, sizes: list) -> Tuple[Tensor, ...]:
-    """``t`` split along dim 1 into ``sizes`` (ints: one split, whose backward is one
-    concatenation; traced or symbolic sizes: slices)."""
-    if all(isinstance(n, int) for n in sizes):
-        return t.split(sizes, dim=1)
-    parts, start = [], 0
-    for n in sizes:
-        parts.append(t[:, start:start + n])
-        start = start + n
-    return tuple(parts)
-
-
 class ShiftWindowAttention(nn.Module):
     """Window attention with optional cyclic shift, as mmdet's ``ShiftWindowMSA``.
 
@@ -176,8 +164,7 @@ class ShiftWindowAttention(nn.Module):
         s = self.shift_size
         if self.w_msa.masks_padding and s:  # a map within one window (not a full one)
             s = select((h <= wh) & (w <= ww) & ((h != wh) | (w != ww)), 0, s)
-        # plain tensors even when first made in inference mode: a model evaluated under
-        # torch.inference_mode and trained afterwards reuses them in autograd
+        # plain tensors: a model evaluated in inference mode is trained with them afterwards
         with torch.inference_mode(False):
             lay = (cropped_windows if cropped else padded_windows)(h, w, wh, ww, s, device)
             if not self.w_msa.masks_padding and s and self.w_msa.uses_shift_mask:
@@ -237,24 +224,19 @@ class ShiftWindowAttention(nn.Module):
         return out.reshape(b, -1, c).index_select(1, lay['slot'])
 
     def _attend_cropped(self, x: Tensor, lay: dict) -> Tensor:
-        """The kernel on each group of :func:`cropped_windows`: one gather and ``qkv`` for
-        all groups, a call per group, one gather back."""
+        """The kernel on each group of :func:`cropped_windows` (gather, ``qkv``, kernel), one
+        gather back."""
         kernel = self.w_msa
         b, c = x.shape[0], kernel.embed_dims
-        groups = lay['groups']
-        index = torch.cat([g['gather'] for g in groups])
-        slots = kernel.qkv(x.index_select(1, index))
-        sizes = [g['count'] * g['hw'][0] * g['hw'][1] for g in groups]
         outs = []
-        for group, part in zip(groups, split_slots(slots, sizes)):
-            out = self._attend_group(part.split(c, dim=-1), group, group['valid'])
-            outs.append(out.reshape(b, -1, c))
+        for group in lay['groups']:
+            qkv = kernel.qkv(x.index_select(1, group['gather'])).split(c, dim=-1)
+            outs.append(self._attend_group(qkv, group, group['valid']).reshape(b, -1, c))
         return torch.cat(outs, dim=1).index_select(1, lay['slot'])
 
     def _attend_group(self, qkv, group: dict, valid: Tensor) -> Tensor:
         """q, k, v ``[B, S, C]`` of ``valid`` ``[count, span]`` windows -> ``[B*count, span,
-        C]``, padded slots' ``V`` zeroed. Unshifted, no window read back holds a padded slot
-        (:func:`_axis_spans`): no mask."""
+        C]``, padded slots' ``V`` zeroed (unshifted, none is read back: no mask)."""
         c = self.w_msa.embed_dims
         n = group['hw'][0] * group['hw'][1]
         q, k, v = qkv
