@@ -1,7 +1,6 @@
 """The window attention kernels' ``split`` graph forms (q, k and v as three MatMuls), rewrites
-(:mod:`.rewriters`) that ``tools/export_onnx.py`` applies unless ``--attention packed``.
-What each pays (onnxruntime 1.32.0, OpenVINO 2026.4.1, NNCF 3.4.0) is in docs/benchmarks.md.
-"""
+(:mod:`.rewriters`) that ``tools/export_onnx.py`` applies unless ``--attention packed``;
+measured (onnxruntime 1.32.0, OpenVINO 2026.4.1, NNCF 3.4.0) in docs/benchmarks.md."""
 import functools
 from typing import Optional, Tuple
 

@@ -195,7 +195,6 @@ class BiNormAttention(Reparameterizable, WindowKernelBase):
 
 
 def _reject_unused(kwargs: dict, name: str) -> None:
-    # Softmax-only options are accepted only at their neutral values.
     allowed = {'qk_scale': None, 'attn_drop': 0.0}
     bad = {k: v for k, v in kwargs.items() if k not in allowed or v != allowed[k]}
     if bad:

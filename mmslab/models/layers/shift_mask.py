@@ -23,21 +23,19 @@ SHIFT_MASK_FILL = -1e4
 WINDOW_TYPES = ('interior', 'last column', 'last row', 'corner')
 
 
-def _regions(last: bool, win: int, s: int) -> np.ndarray:
-    """Region (0, 1, 2 as in Swin's ``img_mask`` slices) of each offset of a window along
-    one axis: 0 before the last window; in the last one 1 before the wrapped strip, 2 in it."""
-    offsets = np.arange(win)
-    return 1 + (offsets >= win - s) if last else np.zeros(win, dtype=np.int64)
-
-
 def shift_mask_table(wh: int, ww: int, s: int) -> np.ndarray:
     """``[4, N, N]`` float32 additive masks (0 / :data:`SHIFT_MASK_FILL`) of the window kinds
     of :data:`WINDOW_TYPES`, tokens row-major in the ``wh x ww`` window, shift ``s``."""
     if not 0 <= s < min(wh, ww):
         raise ValueError(f'shift {s} must lie in [0, {min(wh, ww)}) for a {wh}x{ww} window')
+    def regions(last: bool, win: int) -> np.ndarray:
+        # Swin's img_mask regions along one axis: 0 outside the last window; in it 1, and 2
+        # in the wrapped strip
+        return 1 + (np.arange(win) >= win - s) if last else np.zeros(win, dtype=np.int64)
+
     table = []
     for kind in range(len(WINDOW_TYPES)):
-        rows, cols = _regions(kind >= 2, wh, s), _regions(kind % 2 == 1, ww, s)
+        rows, cols = regions(kind >= 2, wh), regions(kind % 2 == 1, ww)
         region = (rows[:, None] * 3 + cols[None, :]).reshape(-1)
         table.append(np.where(region[:, None] != region[None, :], SHIFT_MASK_FILL, 0.0))
     return np.stack(table).astype(np.float32)

@@ -25,17 +25,13 @@ from .symbolic import Size, ceil_div, is_traced, select, size_max
 
 
 def padded_windows(h: Size, w: Size, wh: int, ww: int, s: int, device=None) -> dict:
-    """Index maps of the ``wh x ww`` windows of an ``h x w`` map padded to multiples of the
-    window and cyclically shifted by ``s``.
-
-    Returns ``gather`` (``[nW*N]``: the source token of every window slot, windows and
-    tokens row-major; ``h*w`` for a padded slot), ``slot`` (``[h*w]``: the slot of every
-    token), ``valid`` (``[nW, N]`` bool), ``num_windows`` and the padded size ``(hp, wp)``.
-    """
+    """The ``wh x ww`` windows of an ``h x w`` map, padded to whole windows and shifted by
+    ``s``: ``gather`` (``[nW*N]``, each slot's source token, ``h*w`` where padded; windows and
+    tokens row-major), ``slot`` (``[h*w]``, each token's slot), ``valid`` (``[nW, N]``),
+    ``num_windows`` and the padded size ``padded``."""
     nwh, nww = ceil_div(h, wh), ceil_div(w, ww)
     hp, wp = nwh * wh, nww * ww
-    # the source of every padded-frame row / column (arithmetic on 1-D tensors; the 4-D
-    # [nWh, nWw, wh, ww] window-major slots by broadcasting)
+    # each padded row's / column's source; [nWh, nWw, wh, ww] slots by broadcasting
     src_i = (torch.arange(hp, device=device) + s) % hp
     src_j = (torch.arange(wp, device=device) + s) % wp
     valid = (src_i < h).view(nwh, 1, wh, 1) & (src_j < w).view(1, nww, 1, ww)
@@ -125,6 +121,15 @@ def cropped_windows(h: Size, w: Size, wh: int, ww: int, s: Size, device=None) ->
     return dict(groups=groups, slot=slot.reshape(-1))
 
 
+def split_slots(t: Tensor, sizes: list) -> Tuple[Tensor, ...]:
+    """``t`` split along dim 1 into ``sizes``: one split for ints (its backward is one
+    concatenation), slices for traced or symbolic sizes."""
+    if all(isinstance(n, int) for n in sizes):
+        return t.split(sizes, dim=1)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return tuple(t[:, a:a + n] for a, n in zip(starts, sizes))
+
+
 class ShiftWindowAttention(nn.Module):
     """Window attention with optional cyclic shift, as mmdet's ``ShiftWindowMSA``.
 
@@ -143,7 +148,6 @@ class ShiftWindowAttention(nn.Module):
                  attn_type: str = 'window', qkv_bias: bool = True, qk_scale=None,
                  attn_drop: float = 0.0, proj_drop: float = 0.0, deploy: bool = False):
         super().__init__()
-        self.attn_type = attn_type
         self.w_msa = build_window_attention(
             attn_type, qk_scale=qk_scale, attn_drop=attn_drop, embed_dims=embed_dims,
             num_heads=num_heads, window_size=window_size, qkv_bias=qkv_bias,
@@ -186,8 +190,7 @@ class ShiftWindowAttention(nn.Module):
         h, w = hw_shape
         if not torch.compiler.is_compiling() and isinstance(h, int) and isinstance(w, int) \
                 and x.shape[1] != h * w:
-            raise ValueError(f'input has {x.shape[1]} tokens but hw_shape {hw_shape} '
-                             f'has {h * w}')
+            raise ValueError(f'input has {x.shape[1]} tokens, hw_shape {hw_shape} means {h * w}')
         kernel = self.w_msa
         # cropped windows where time is arithmetic (the module docstring)
         cropped = kernel.masks_padding and x.device.type == 'cpu' and \
@@ -224,14 +227,17 @@ class ShiftWindowAttention(nn.Module):
         return out.reshape(b, -1, c).index_select(1, lay['slot'])
 
     def _attend_cropped(self, x: Tensor, lay: dict) -> Tensor:
-        """The kernel on each group of :func:`cropped_windows` (gather, ``qkv``, kernel), one
-        gather back."""
+        """The kernel on each group of :func:`cropped_windows`: one gather and ``qkv`` for
+        all groups (one weight in a graph), a call per group, one gather back."""
         kernel = self.w_msa
         b, c = x.shape[0], kernel.embed_dims
+        groups = lay['groups']
+        slots = kernel.qkv(x.index_select(1, torch.cat([g['gather'] for g in groups])))
+        sizes = [g['count'] * g['hw'][0] * g['hw'][1] for g in groups]
         outs = []
-        for group in lay['groups']:
-            qkv = kernel.qkv(x.index_select(1, group['gather'])).split(c, dim=-1)
-            outs.append(self._attend_group(qkv, group, group['valid']).reshape(b, -1, c))
+        for group, part in zip(groups, split_slots(slots, sizes)):
+            out = self._attend_group(part.split(c, dim=-1), group, group['valid'])
+            outs.append(out.reshape(b, -1, c))
         return torch.cat(outs, dim=1).index_select(1, lay['slot'])
 
     def _attend_group(self, qkv, group: dict, valid: Tensor) -> Tensor:

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from mmengine.model.weight_init import trunc_normal_
+from mmengine.utils import to_2tuple
 from torch import Tensor
 
 from mmslab.registry import register_model
@@ -48,8 +49,7 @@ class WindowKernelBase(nn.Module):
         self.embed_dims = embed_dims
         self.num_heads = num_heads
         self.head_dims = embed_dims // num_heads
-        self.window_size = tuple(window_size) if isinstance(window_size, (tuple, list)) else (
-            int(window_size), int(window_size))
+        self.window_size = tuple(to_2tuple(window_size))
         self.qkv = nn.Linear(embed_dims, embed_dims * 3, bias=qkv_bias)
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.proj_drop = nn.Dropout(proj_drop)
@@ -82,10 +82,8 @@ class WindowKernelBase(nn.Module):
     @torch.no_grad()
     def absorb_input_affine(self, scale: Tensor, shift: Tensor) -> None:
         """Fold the preceding norm's ``x * scale + shift`` into ``qkv``."""
-        if not self.masks_padding:
-            qkv = self.qkv
-            self.qkv_pad = qkv.bias.detach().clone() if qkv.bias is not None else \
-                qkv.weight.new_zeros(qkv.out_features)
+        if not self.masks_padding:  # what a zero normalized token gave before the fold
+            self.qkv_pad = self.padded_qkv().detach().clone()
         self.qkv = fold_affine_into_next_linear(self.qkv, scale, shift)
 
 
