@@ -65,8 +65,9 @@ def has_bf16() -> bool:
 
 def has_int8_dot_product() -> bool:
     """Whether the CPU sums 8-bit products into 32 bits in one instruction (VNNI or AMX).
-    Without it, x86 kernels pair u8 x s8 products in 16 bits, which can saturate, so the
-    runtimes compute some INT8 layers differently (or in float) there."""
+    Without it, x86 kernels add pairs of u8 x s8 products in 16 bits, which 8-bit weights
+    can saturate (onnxruntime's INT8 weights then take 7 bits:
+    :func:`mmslab.deploy.runtimes.int8_weight_bits`)."""
     return bool({'avx512_vnni', 'avx_vnni', 'amx_int8'} & set(cpu_flags()))
 
 

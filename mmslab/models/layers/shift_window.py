@@ -13,6 +13,7 @@ arithmetic (SLAB-Swin-T's first stage at 512x512: 16384 tokens in 28224 padded s
 on a GPU, where time is kernel launches, and under ``torch.compile``, which would recompile
 for spans of size 1. A cropped span's offset in its window is passed as ``origin``.
 """
+import itertools
 from typing import Tuple
 
 import torch
@@ -126,7 +127,7 @@ def split_slots(t: Tensor, sizes: list) -> Tuple[Tensor, ...]:
     concatenation), slices for traced or symbolic sizes."""
     if all(isinstance(n, int) for n in sizes):
         return t.split(sizes, dim=1)
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    starts = [0, *itertools.accumulate(sizes[:-1])]
     return tuple(t[:, a:a + n] for a, n in zip(starts, sizes))
 
 
