@@ -47,7 +47,7 @@ OUT_STATS = {'old': "'frozen'", 'new': "'train'", 'layernorm': "'train'"}
 def save_pretrained_backbone(checkpoint: str, path: str) -> None:
     """The detector's backbone without output norms, schedules finished (a converted
     release), in mmslab's layout."""
-    from mmslab.engine import load_checkpoint_file
+    from mmslab.utils.checkpoint import load_checkpoint_file
     state = load_checkpoint_file(checkpoint)['state_dict']
     backbone = {}
     for k, v in state.items():

@@ -6,8 +6,9 @@ global changes a config that names mmslab needs, and no other:
 * every model component is registered in mmdet's and mmseg's ``MODELS`` (``mmslab.models``),
 * every hook in mmengine's ``HOOKS`` (``mmslab.engine.hooks``),
 * mmengine's loader for local checkpoint files becomes the restricted, weights-only one
-  (``mmslab.engine.checkpoint``), so ``load_from`` / ``--resume`` of Runner checkpoints and
-  ``init_cfg=dict(type='Pretrained')`` work on torch >= 2.6 without executing pickled code.
+  (``mmslab.utils.checkpoint``, installed by ``mmslab.engine``), so ``load_from`` /
+  ``--resume`` of Runner checkpoints and ``init_cfg=dict(type='Pretrained')`` work on
+  torch >= 2.6 without executing pickled code.
 
 The rest (``mmslab.deploy``, ``mmslab.utils``, ``mmslab.benchmark``, ``mmslab.datasets``)
 is imported where it is used, or on first access as an attribute of this package.

@@ -422,7 +422,7 @@ def test_amp_resume_restores_schedule_and_optimizer_state(demo_data, tmp_path): 
     """``tools/train.py --amp`` for 4 iterations, and again resumed (``--amp --resume``) from
     its iteration-2 checkpoint: the same final model, optimizer state and schedule (the
     resumed iterations 3-4 need AdamW's moments and PRepBN's counter of the first two)."""
-    from mmslab.engine import load_checkpoint_file
+    from mmslab.utils.checkpoint import load_checkpoint_file
     train_tool = load_tool('train')
     cfg = runner_cfg('slab_swin', demo_data, tmp_path / 'full', max_iters=4)
     # a decay over 4 iterations: g = 1, .75, .5, .25, so the resumed run is mid-schedule

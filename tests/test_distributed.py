@@ -70,7 +70,7 @@ def test_two_processes_over_gloo(dist_run):
     """``tools/dist_train.sh CONFIG 2``: two ranks over gloo (the config asks for nccl, the
     tools switch on a machine without CUDA), 3 iterations, a checkpoint of the unwrapped
     model."""
-    from mmslab.engine import load_checkpoint_file
+    from mmslab.utils.checkpoint import load_checkpoint_file
     output = dist_run['output']
     assert 'Iter(train) [3/3]' in output, output[-3000:]
     # mmengine logs the world size ("GPU number") and the dist config
@@ -83,7 +83,7 @@ def test_two_processes_over_gloo(dist_run):
 
 
 def test_training_crosses_the_schedule(dist_run):
-    from mmslab.engine import load_checkpoint_file
+    from mmslab.utils.checkpoint import load_checkpoint_file
     # g of the body norms crosses 1 -> 0.5 -> 0; the output norms are at 1, 5/6, 4/6
     ratios = logged_ratios(dist_run['output'])
     assert ratios.get(1) == pytest.approx((1.0, 1.0), abs=1e-4), ratios
@@ -113,7 +113,7 @@ def test_fused_validation_on_both_ranks(dist_run):
 
 
 def test_resume_continues_the_schedule(dist_run):
-    from mmslab.engine import load_checkpoint_file
+    from mmslab.utils.checkpoint import load_checkpoint_file
     resumed = dist_run['resumed']
     assert re.search(r'resumed epoch: \d+, iter: 3\b', resumed), resumed[-3000:]
     assert 'Iter(train) [1/5]' not in resumed

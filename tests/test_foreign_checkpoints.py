@@ -26,8 +26,8 @@ from conftest import load_tool, randomize_weights
 from layouts import SWIN, assert_same_outputs, outputs, slab_swin, to_authors_swin
 
 import mmslab.engine  # noqa: F401  (installs the local-path loader in mmengine)
-import mmslab.engine.checkpoint as safe
-from mmslab.engine.checkpoint import ForeignObject, load_checkpoint_file
+import mmslab.utils.checkpoint as safe
+from mmslab.utils.checkpoint import ForeignObject, load_checkpoint_file
 from mmslab.models import RePaSwin, SLABSwin
 from mmslab.models.checkpoint_utils import convert_checkpoint_file, load_pretrained_backbone
 

@@ -65,7 +65,7 @@ def test_custom_imports_alone_registers_and_installs_the_checkpoint_loader(tmp_p
         after = dict(env=dict(os.environ), filters=list(warnings.filters),
                      handlers=list(logging.root.handlers), level=logging.root.level,
                      threads=torch.get_num_threads(), dtype=torch.get_default_dtype())
-        import mmslab.engine.checkpoint as safe
+        import mmslab.utils.checkpoint as safe
         print(json.dumps(dict(
             unchanged=[k for k in before if before[k] == after[k]],
             loader_was_mmengine=mmengine_loader.__module__.startswith('mmengine'),
@@ -128,15 +128,43 @@ def imported_modules(path: str) -> set:
     return names
 
 
-def test_no_import_runs_up_from_the_runtime_layer_and_utils_precision():
-    """docs/architecture.md's order: ``utils/precision`` (imported by the engine's hooks)
-    imports nothing of ``mmslab.deploy`` or ``mmslab.benchmark``; the runtime layer and
-    export.json's owner import nothing of the export side or of PyTorch / OpenMMLab."""
+#: docs/architecture.md's rows of ``mmslab``, lowest first: a module imports (at module level
+#: or inside a function) only its own package and the packages of lower rows.
+PACKAGE_LAYERS = {package: row for row, package in enumerate((
+    'mmslab.registry', 'mmslab.utils', 'mmslab.datasets', 'mmslab.models', 'mmslab.deploy',
+    'mmslab.benchmark', 'mmslab.engine'))}
+
+
+def package_layer(module: str) -> int:
+    for package, layer in PACKAGE_LAYERS.items():
+        if module == package or module.startswith(package + '.'):
+            return layer
+    raise AssertionError(f'{module}: in no layer of PACKAGE_LAYERS')
+
+
+def test_no_import_runs_up_a_layer():
+    found = []
+    for root, _, files in os.walk(osp.join(REPO, 'mmslab')):
+        for name in sorted(f for f in files if f.endswith('.py')):
+            path = osp.join(root, name)
+            module = osp.relpath(path, REPO)[:-3].replace(os.sep, '.').removesuffix('.__init__')
+            if module == 'mmslab':
+                continue
+            layer = package_layer(module)
+            for target in imported_modules(path):
+                if target.split('.')[0] != 'mmslab':
+                    continue
+                if package_layer(target) > layer:
+                    found.append(f'{module} -> {target}')
+    assert len(found) == 0, found
+
+
+def test_the_runtime_layer_imports_no_export_side_and_no_pytorch():
+    """The runtime layer and the predictor import nothing of the export side or of PyTorch /
+    OpenMMLab."""
     def imports(rel):
         return imported_modules(osp.join(REPO, rel))
 
-    precision = imports('mmslab/utils/precision.py')
-    assert not {m for m in precision if m.startswith(('mmslab.deploy', 'mmslab.benchmark'))}
     for rel in ('mmslab/deploy/runtimes.py', 'mmslab/deploy/predict.py'):
         found = imports(rel)
         assert not {m for m in found if m.split('.')[0] in ('torch', 'mmengine', 'mmdet',

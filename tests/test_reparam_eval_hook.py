@@ -75,7 +75,7 @@ def seg_cfg(data_dir, work_dir, hook=None):
 
 def test_hook_fuses_a_copy_and_saves_unfused_best_checkpoint(data_dir, tmp_path):
     from mmengine.runner import Runner
-    from mmslab.engine.checkpoint import load_checkpoint_file
+    from mmslab.utils.checkpoint import load_checkpoint_file
     cfg = seg_cfg(data_dir, tmp_path / 'run',
                   dict(type='ReparamEvalHook', compare_unfused=True, warmup=0))
     runner = Runner.from_cfg(Config(cfg))

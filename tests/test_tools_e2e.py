@@ -88,7 +88,7 @@ def test_train_writes_checkpoint(trained, task):
 @pytest.mark.slow
 @pytest.mark.parametrize('task', ['det', 'seg'])
 def test_resume_continues_from_saved_state(trained, task):
-    from mmslab.engine import load_checkpoint_file
+    from mmslab.utils.checkpoint import load_checkpoint_file
     run = trained(task)
     work_dir = run['work_dir']
     first = load_checkpoint_file(str(work_dir / 'iter_2.pth'))
@@ -152,7 +152,7 @@ def test_safe_loader_loads_runner_checkpoint(trained):
     from mmengine.logging import HistoryBuffer
     from mmengine.runner.checkpoint import CheckpointLoader, _load_checkpoint
 
-    import mmslab.engine.checkpoint as safe
+    import mmslab.utils.checkpoint as safe
     safe.install()
     safe.install()  # idempotent
     assert CheckpointLoader._schemes[''] is safe.load_from_local
@@ -204,7 +204,7 @@ class _Plain:
 def test_safe_loader_refuses_pickled_objects(tmp_path):
     from mmengine.runner.checkpoint import _load_checkpoint
 
-    from mmslab.engine import load_checkpoint_file
+    from mmslab.utils.checkpoint import load_checkpoint_file
 
     cases = {
         'payload': ({'state_dict': {}, 'meta': _Payload()}, '_side_effect'),

@@ -1,10 +1,8 @@
-"""Runtime support for running mmslab with mmengine (safe checkpoint loading, CPU mixed
-precision)."""
-from . import checkpoint
-from .checkpoint import load_checkpoint_file
+"""Runtime support for running mmslab with mmengine (the weights-only checkpoint loader made
+mmengine's, CPU mixed precision)."""
+from ..utils import checkpoint
 from .optim_wrapper import CPUAmpOptimWrapper, amp_optim_wrapper_cfg, cpu_autocast
 
 checkpoint.install()
 
-__all__ = ['CPUAmpOptimWrapper', 'amp_optim_wrapper_cfg', 'checkpoint', 'cpu_autocast',
-           'load_checkpoint_file']
+__all__ = ['CPUAmpOptimWrapper', 'amp_optim_wrapper_cfg', 'cpu_autocast']

@@ -14,7 +14,7 @@ import torch.nn as nn
 from mmengine.logging import print_log
 from torch import Tensor
 
-from mmslab.engine.checkpoint import load_checkpoint_file
+from mmslab.utils.checkpoint import load_checkpoint_file
 from mmslab.registry import MODELS
 from .converters import (adapt_to_model, convert, detect_format, infer_backbone_cfg,
                          model_owned_keys, progressive_schedule_info, strip_wrappers)
@@ -38,7 +38,7 @@ def read_checkpoint(path: str):
     """Load a checkpoint file with ``weights_only=True`` (mmslab's allow-list if available).
 
     Foreign pickled objects (the SLAB authors' yacs ``config``, RePaViT's ``args``) are dropped
-    without executing anything: see :func:`mmslab.engine.checkpoint.load_checkpoint_file`.
+    without executing anything: see :func:`mmslab.utils.checkpoint.load_checkpoint_file`.
     """
     return load_checkpoint_file(path, map_location='cpu')
 
