@@ -454,20 +454,28 @@ def test_sla_windows_of_padded_maps_match_the_padded_formula(shift, sizes, windo
     tracing records: the graph computes the groups), or (a GPU, torch.compile) padded, the
     padded slots masked: the padded formula's numbers on maps whose shifted windows start
     with padding, wrap with a padded gap between their two valid parts, end in a partial
-    window, or fit in one window along one axis; odd windows (shift ``(w - 1) / 2``) too."""
+    window, or fit in one window along one axis; odd windows (shift ``(w - 1) / 2``) too.
+    The gradients (training) are the formula's as well."""
     torch.manual_seed(7)
     attn = ShiftWindowAttention(16, 2, window, shift=shift, attn_type='sla').double()
     nn.init.normal_(attn.w_msa.positional_encoding, std=0.5)
     nn.init.normal_(attn.w_msa.dwc.weight, std=0.5)
+    params = [attn.w_msa.qkv.weight, attn.w_msa.positional_encoding, attn.w_msa.dwc.weight]
     for hw in [(12, 12), (23, 31), (17, 8), (5, 30), (16, 11), (19, 6)]:
-        x = torch.randn(2, hw[0] * hw[1], 16, dtype=torch.float64)
+        x = torch.randn(2, hw[0] * hw[1], 16, dtype=torch.float64, requires_grad=True)
         if sizes == 'padded':
             lay = attn._layout(*hw, x.device, cropped=False)
             out = attn.w_msa.proj(attn._attend_padded(x, lay))
         else:
             out = attn(x, tuple(torch.tensor(v) for v in hw) if sizes == 'traced' else hw)
+        ref = torch.stack([shifted_sla_reference(attn, x[b], hw) for b in range(2)])
         for b in range(2):
-            assert rel_err(out[b], shifted_sla_reference(attn, x[b], hw)) <= 1e-10
+            assert rel_err(out[b], ref[b]) <= 1e-10
+        weights = torch.randn_like(out)
+        grads = torch.autograd.grad((out * weights).sum(), [x] + params)
+        ref_grads = torch.autograd.grad((ref * weights).sum(), [x] + params)
+        for g, r in zip(grads, ref_grads):
+            assert rel_err(g, r) <= 1e-10
 
 
 def test_sla_runs_in_chunks_only_in_eager_cpu_inference(monkeypatch):
@@ -519,11 +527,17 @@ def test_cropped_windows_skip_the_padding(shift, traced):
     assert wrapped[2]['valid'].sum().item() == 32 * 56
 
 
-def test_binorm_matches_naive_and_ignores_padding():
+@pytest.mark.parametrize('windows', ['cropped', 'padded'])
+def test_binorm_matches_naive_and_ignores_padding(windows):
+    """BiNorm on windows cropped to their tokens (the CPU) and on padded windows (a GPU)."""
     torch.manual_seed(5)
     attn = ShiftWindowAttention(8, 2, 4, attn_type='binorm').double()
     x = torch.randn(1, 6 * 4, 8, dtype=torch.float64)
-    out = attn(x, (6, 4)).view(6, 4, 8)
+    if windows == 'padded':
+        out = attn.w_msa.proj(attn._attend_padded(x, attn._layout(6, 4, x.device)))
+    else:
+        out = attn(x, (6, 4))
+    out = out.view(6, 4, 8)
     qkv = attn.w_msa.qkv(x)[0].view(6, 4, 24)
     for rows in (slice(0, 4), slice(4, 6)):  # a full window and a padded one
         win = qkv[rows].reshape(-1, 24)
