@@ -251,6 +251,46 @@ def test_prepbn_schedule_offset_keeps_finished_schedule_finished():
     assert norm.ratio == 1.0
 
 
+def test_prepbn_training_forward_reads_no_buffer():
+    """A training forward reads no buffer (on a GPU each read waits for the device): it
+    computes ``g * LN(x) + (1 - g) * (BN(x) + alpha * x)`` with the ``g`` that
+    ``set_iter``, a loaded state dict or ``reset_schedule`` evaluated last."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class BufferReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    norm = PRepBN(8, step=100)
+    for p in (norm.norm1.weight, norm.norm1.bias, norm.norm2.bn.weight, norm.norm2.alpha):
+        nn.init.normal_(p)
+    x = torch.randn(4, 6, 8)
+
+    def formula(g):
+        ln = F.layer_norm(x, (8, ), norm.norm1.weight, norm.norm1.bias, 1e-5)
+        bn = F.batch_norm(x.reshape(-1, 8), None, None, norm.norm2.bn.weight,
+                          norm.norm2.bn.bias, training=True, eps=1e-5).view_as(x)
+        return g * ln + (1 - g) * (bn + norm.norm2.alpha * x)
+
+    norm.set_iter(30)
+    with BufferReads() as reads:
+        y = norm(x)
+        y.sum().backward()
+    assert reads.count == 0
+    assert rel_err(y, formula(0.7)) <= 1e-6
+    state = copy.deepcopy(norm.state_dict())
+    state['cur_iter'].fill_(10)
+    state['schedule_offset'].fill_(0.5)
+    norm.load_state_dict(state)
+    assert rel_err(norm(x), formula(0.4)) <= 1e-6
+    norm.reset_schedule()
+    assert rel_err(norm(x), formula(0.9)) <= 1e-6
+
+
 @pytest.mark.parametrize('kwargs,match', [
     (dict(step=0), 'step'), (dict(step=-5), 'step'), (dict(warmup=-1), 'warmup'),
     (dict(r0=1.5), 'r0'), (dict(data_format='nchw'), 'data_format')])

@@ -127,9 +127,9 @@ class PRepBN(FoldableNorm):
         self.register_buffer('schedule_offset', torch.tensor(0.0, dtype=torch.float64))
         # Set by set_iter(); a training forward without it means nothing drives the schedule.
         self._schedule_driven = False
-        # The schedule as set_iter() evaluated it, read under torch.compile (see
-        # _compiled_schedule): the branch taken, and g as a 0-d tensor filled in place.
-        self._phase, self._g = 'ln', None
+        # The schedule as set_iter() evaluated it (see _schedule): the branch taken, g, and g
+        # as a 0-d tensor filled in place for torch.compile.
+        self._phase, self._ratio, self._g = 'ln', 1.0, None
 
     def set_iter(self, cur_iter: int) -> None:
         """Set the training iteration the schedule is evaluated at (called once per iteration)."""
@@ -137,26 +137,39 @@ class PRepBN(FoldableNorm):
             return
         self.cur_iter.fill_(int(cur_iter))
         self._schedule_driven = True
-        g = self.ratio
+        self._evaluate_schedule()
+
+    def _evaluate_schedule(self) -> None:
+        """Evaluate the schedule from the buffers for the training forwards that follow."""
+        if self.deploy:
+            return
+        g = self._ratio = self.ratio
         self._phase = 'ln' if g >= 1.0 else 'bn' if g <= 0.0 else 'mix'
         if self._g is None or self._g.device != self.cur_iter.device:
             self._g = torch.tensor(g, dtype=torch.float32, device=self.cur_iter.device)
         else:
             self._g.fill_(g)  # in place: a compiled graph keeps reading the same tensor
 
-    def _compiled_schedule(self) -> Tuple[str, object]:
-        """``(branch, g)`` of a training forward traced by ``torch.compile``, as the last
-        :meth:`set_iter` evaluated them. Reading the schedule buffers (:attr:`ratio`) there
-        would break the graph at every norm, and a Python ``g`` would be a constant of the
-        graph (a recompilation every iteration); ``g`` is a tensor instead and the branch a
-        Python value, so a compiled model gets a new graph only where the branch changes
-        (end of warm-up, end of the decay)."""
-        return self._phase, (self._g if self._phase == 'mix' else float(self._phase == 'ln'))
+    def _schedule(self) -> Tuple[str, object]:
+        """``(branch, g)`` of a training forward, as :meth:`set_iter` evaluated them: a
+        forward reads no buffer, which on a GPU would wait for the device twice per norm,
+        and under ``torch.compile`` would break the graph. There a Python ``g`` would be a
+        constant of the graph (a recompilation every iteration): ``g`` is a tensor and the
+        branch a Python value, so a compiled model gets a new graph only where the branch
+        changes (end of warm-up, end of the decay)."""
+        if self._phase == 'mix' and torch.compiler.is_compiling():
+            return 'mix', self._g
+        return self._phase, self._ratio
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._evaluate_schedule()  # the loaded buffers' schedule
 
     def reset_schedule(self) -> None:
         """Start the schedule from scratch (g = r0 again) at the next set_iter()."""
         if not self.deploy:
             self.schedule_offset.fill_(0.0)
+            self._evaluate_schedule()
 
     @property
     def ratio(self) -> float:
@@ -184,11 +197,7 @@ class PRepBN(FoldableNorm):
                     'PRepBN is training but nothing sets its schedule. Add '
                     "custom_hooks=[dict(type='ProgressiveNormHook')] to the config, or call "
                     'mmslab.set_progressive_iter(model, it) before each training iteration.')
-            if torch.compiler.is_compiling():
-                branch, g = self._compiled_schedule()
-            else:
-                g = self.ratio
-                branch = 'ln' if g >= 1.0 else 'bn' if g <= 0.0 else 'mix'
+            branch, g = self._schedule()
             # At g = 1 (warm-up) or g = 0 (finished) one branch has weight 0 and is not
             # computed. DDP (find_unused_parameters=False) aborts when a parameter gets no
             # gradient, so under a multi-process group the idle branch's parameters enter the
