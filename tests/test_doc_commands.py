@@ -13,6 +13,7 @@ import os.path as osp
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -35,18 +36,22 @@ def commands(text):
                     yield match.group(1), FLAG.findall(command[match.end():])
 
 
+def python_scripts_run_by(script):
+    """The Python scripts beside a shell script that it names."""
+    names = sorted(set(re.findall(r'\b(\w+)\.py\b', open(osp.join(REPO, script)).read())))
+    paths = [osp.join(osp.dirname(script), f'{name}.py') for name in names]
+    return [py for py in paths if osp.isfile(osp.join(REPO, py))]
+
+
 @functools.lru_cache(maxsize=None)
 def accepted_flags(script):
     """The long options of a script: its ``--help`` (Python), or for a shell script those of
     its own ``case`` branches (``--out)``) and of the Python scripts it runs."""
     path = osp.join(REPO, script)
     if script.endswith('.sh'):
-        text = open(path).read()
-        flags = set(re.findall(r'^\s*(--[\w-]+)(?:\|[\w-]+)*\)', text, re.M))
-        for name in sorted(set(re.findall(r'\b(\w+)\.py\b', text))):
-            py = osp.join(osp.dirname(script), f'{name}.py')
-            if osp.isfile(osp.join(REPO, py)):
-                flags |= accepted_flags(py)
+        flags = set(re.findall(r'^\s*(--[\w-]+)(?:\|[\w-]+)*\)', open(path).read(), re.M))
+        for py in python_scripts_run_by(script):
+            flags |= accepted_flags(py)
         return frozenset(flags)
     env = dict(os.environ, PYTHONPATH=REPO)
     proc = subprocess.run([sys.executable, path, '--help'], cwd=REPO, env=env, text=True,
@@ -55,9 +60,21 @@ def accepted_flags(script):
     return frozenset(FLAG.findall(proc.stdout))
 
 
+@pytest.fixture(scope='module')
+def all_help_read():
+    """The ``--help`` of every Python script the docs run, directly or through a shell
+    script, a process per core at a time."""
+    scripts = {script for doc in DOCS for script, _ in commands(open(osp.join(REPO, doc)).read())
+               if osp.isfile(osp.join(REPO, script))}
+    python = {py for s in scripts for py in
+              (python_scripts_run_by(s) if s.endswith('.sh') else [s])}
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        list(pool.map(accepted_flags, sorted(python)))
+
+
 @pytest.mark.slow  # every script's --help in a subprocess (each imports torch and mmslab)
 @pytest.mark.parametrize('doc', DOCS)
-def test_documented_commands_exist(doc):
+def test_documented_commands_exist(doc, all_help_read):
     problems = []
     for script, flags in commands(open(osp.join(REPO, doc)).read()):
         if not osp.isfile(osp.join(REPO, script)):
