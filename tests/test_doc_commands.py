@@ -73,8 +73,9 @@ def all_help_read():
 
 
 @pytest.mark.slow  # every script's --help in a subprocess (each imports torch and mmslab)
+@pytest.mark.usefixtures('all_help_read')
 @pytest.mark.parametrize('doc', DOCS)
-def test_documented_commands_exist(doc, all_help_read):
+def test_documented_commands_exist(doc):
     problems = []
     for script, flags in commands(open(osp.join(REPO, doc)).read()):
         if not osp.isfile(osp.join(REPO, script)):
