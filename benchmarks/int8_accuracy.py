@@ -32,9 +32,9 @@ DEFAULT_CONFIGS = [f'configs/demo/mask_rcnn_{v}_demo.py'
                    for v in ('slab_swin_t', 'prepbn_swin_t', 'repa_swin_t', 'swin_t')]
 FORMS = [('pytorch fused', []),
          ('pytorch bf16', ['--precision', 'bf16']),
-         ('onnxruntime fp32', ['--backend', 'onnxruntime']),
+         ('onnxruntime fp32', ['--backend', 'onnxruntime', '--precision', 'fp32']),
          ('onnxruntime int8', ['--backend', 'onnxruntime', '--precision', 'int8']),
-         ('openvino fp32', ['--backend', 'openvino']),
+         ('openvino fp32', ['--backend', 'openvino', '--precision', 'fp32']),
          ('openvino bf16', ['--backend', 'openvino', '--precision', 'bf16']),
          ('openvino int8', ['--backend', 'openvino', '--precision', 'int8'])]
 FORM_NAMES = [f for f, _ in FORMS]

@@ -279,15 +279,29 @@ def test_runtime_backend_metrics_match_pytorch(exported, tmp_path, task):
 
 @pytest.mark.slow
 def test_runtime_backend_int8_detector_is_bounded(exported, tmp_path):
-    """The INT8 detector in OpenVINO through tools/test.py: mAP within 0.02 of fp32, and its
-    detections match the fp32 ones (IoU-matched, same labels)."""
+    """The INT8 detector in OpenVINO through tools/test.py, as the deployed form the export
+    records: mAP within 0.02 of fp32, and its detections match the fp32 ones (IoU-matched,
+    same labels)."""
     from mmslab.deploy.compare import compare_detections
     ex = exported('det')
     ref, _, ref_out = _test(ex, tmp_path, 'pytorch')
-    got, output, got_out = _test(ex, tmp_path, 'ov_int8', '--backend', 'openvino', '--int8',
-                                 '--export-dir', ex['export_dir'])
+    # the export recording OpenVINO INT8 as its deployed form (tools/export_onnx.py
+    # --latency): --export-dir alone evaluates that, says so and records it
+    deployed = tmp_path / 'deployed_export'
+    shutil.copytree(ex['export_dir'], deployed)
+    info = json.loads((deployed / 'export.json').read_text())
+    info['latency'] = dict(shape='96x96', median_ms={'openvino int8': 1.0},
+                           deploy=dict(runtime='openvino', precision='int8', median_ms=1.0,
+                                       reason='measured'))
+    (deployed / 'export.json').write_text(json.dumps(info))
+    got, output, got_out = _test(ex, tmp_path, 'ov_int8', '--export-dir', str(deployed))
     assert got['backend'] == 'openvino' and got['int8'] is True
+    assert got['form_source'] == 'export.json'
+    assert got['deployed_form'] == dict(runtime='openvino', precision='int8')
+    assert ('deployed form from export.json: openvino int8 (chosen by tools/export_onnx.py '
+            '--latency 96x96); --backend/--precision choose another') in output
     assert "part 'model' runs in openvino (INT8" in output
+    assert 'the deployed form export.json records' in output
     for key in ('coco/bbox_mAP', 'coco/segm_mAP'):
         assert abs(got[key] - ref[key]) <= 0.02, key
     matched = []
@@ -654,6 +668,7 @@ def test_runtime_backend_hook_restores_the_model_on_every_exit(tmp_path):
     assert json.loads((tmp_path / 'complete' / 'latency.json').read_text())['timed'] == form
     log = next((tmp_path / 'complete').glob('*/*.log')).read_text()
     assert f'test latency per image ({form}): median' in log, log[-2000:]
+    assert 'input dynamic; export.json records no deployed form)' in log, log[-2000:]
     assert calls == [(1, 3, 8, 8)] * 3 and 'extract_feat' not in vars(model)
     calls.clear()
 
@@ -764,6 +779,98 @@ def test_export_info_owner_writes_and_validates(tmp_path, capsys):
     from mmengine.config import Config
     msg = exit_message(capsys, tool.setup_runtime_backend, Config(dict()), args, 'mmdet')
     assert 'records no schema_version' in msg and 'export again' in msg
+
+
+def timed_export(root, name: str, deploy=None, int8: bool = True) -> str:
+    """A hand-written whole-detector export directory: ``export.json`` whose ``latency``
+    records ``deploy`` (``(runtime, precision)``; None: not timed) as
+    ``tools/export_onnx.py --latency`` writes it, and empty artifact files (choosing the form
+    checks that they exist; nothing here opens them)."""
+    out = root / name
+    (out / 'openvino').mkdir(parents=True)
+    for path in ('model.onnx', 'openvino/model.xml') + (
+            ('model_int8.onnx', 'openvino/model_int8.xml') if int8 else ()):
+        (out / path).write_bytes(b'')
+    info = whole_detector_info()
+    if deploy is not None:
+        runtime, precision = deploy
+        info['latency'] = dict(shape='800x1333', median_ms={f'{runtime} {precision}': 300.0},
+                               deploy=dict(runtime=runtime, precision=precision,
+                                           median_ms=300.0, reason='measured'))
+    (out / 'export.json').write_text(json.dumps(info))
+    return str(out)
+
+
+def test_backend_defaults_to_the_deployed_form(tmp_path, capsys):
+    """tools/test.py --export-dir DIR evaluates the deployed form export.json records (no
+    --backend, or --backend deployed), says so and records it for metrics.json; --backend
+    and --precision choose another; an export that was not timed runs onnxruntime fp32, or
+    is an error for --backend deployed; a deployed INT8 form whose artifact is missing falls
+    back to fp32. Command-line parsing only: nothing runs."""
+    tool = load_tool('test')
+    base = ['cfg.py', 'ckpt.pth']
+    timed = timed_export(tmp_path, 'timed', ('openvino', 'int8'))
+    untimed = timed_export(tmp_path, 'untimed')
+
+    def form(*extra):
+        args = tool.parse_args(base + list(extra))
+        return args.backend, args.precision, args.form.source
+
+    line = ('deployed form from export.json: openvino int8 (chosen by tools/export_onnx.py '
+            '--latency 800x1333); --backend/--precision choose another')
+    for extra in ([], ['--backend', 'deployed']):
+        args = tool.parse_args(base + ['--export-dir', timed] + extra)
+        assert (args.backend, args.precision, args.int8) == ('openvino', 'int8', True)
+        assert args.form.note == line
+        assert tool.form_report(args) == dict(
+            form_source='export.json', deployed_form=dict(runtime='openvino', precision='int8'))
+    assert form('--export-dir', timed, '--backend', 'openvino') == \
+        ('openvino', 'int8', 'export.json')
+    assert form('--export-dir', timed, '--backend', 'onnxruntime') == \
+        ('onnxruntime', 'fp32', 'command line')
+    assert form('--export-dir', timed, '--precision', 'fp32') == \
+        ('openvino', 'fp32', 'command line')
+    assert form('--export-dir', timed, '--backend', 'onnxruntime', '--int8') == \
+        ('onnxruntime', 'int8', 'command line')
+    assert tool.parse_args(base + ['--export-dir', timed, '--backend', 'onnxruntime']
+                           ).form.note == (
+        'running onnxruntime fp32 as --backend says; the deployed form in export.json is '
+        'openvino int8 (chosen by tools/export_onnx.py --latency 800x1333)')
+    assert tool.form_report(tool.parse_args(base)) == {}  # PyTorch
+
+    # not timed: onnxruntime fp32 by default, an error where the deployed form is asked for
+    args = tool.parse_args(base + ['--export-dir', untimed])
+    assert (args.backend, args.precision, args.form.source) == ('onnxruntime', 'fp32', 'default')
+    assert 'export.json records no deployed form' in args.form.note
+    assert tool.form_report(args) == dict(form_source='default', deployed_form=None)
+    msg = exit_message(capsys, tool.parse_args,
+                       base + ['--backend', 'deployed', '--export-dir', untimed])
+    assert 'records no deployed form (latency.deploy' in msg and '--latency HxW' in msg
+    assert 'name the runtime instead: --backend onnxruntime or openvino' in msg
+
+    # the deployed INT8 artifact missing: fp32 of the deployed runtime, said
+    no_int8 = timed_export(tmp_path, 'no_int8', ('openvino', 'int8'), int8=False)
+    args = tool.parse_args(base + ['--export-dir', no_int8])
+    assert (args.backend, args.precision, args.form.source) == ('openvino', 'fp32', 'fallback')
+    assert 'model_int8.xml does not exist (exported without --int8): running openvino fp32' \
+        in args.form.note
+
+    # bad input names the valid choices
+    msg = exit_message(capsys, tool.parse_args, base + ['--backend', 'deployed'])
+    assert '--backend deployed needs --export-dir' in msg
+    msg = exit_message(capsys, tool.parse_args,
+                       base + ['--backend', 'pytorch', '--export-dir', timed])
+    assert '--export-dir needs a runtime backend: --backend deployed, onnxruntime, openvino' \
+        in msg
+    msg = exit_message(capsys, tool.parse_args, base + ['--backend', 'tensorrt'])
+    assert "invalid choice: 'tensorrt'" in msg and "'deployed'" in msg
+    msg = exit_message(capsys, tool.parse_args,
+                       base + ['--export-dir', timed, '--backend', 'onnxruntime', '--bf16'])
+    assert 'Valid with onnxruntime: fp32, int8, auto' in msg
+    bad = timed_export(tmp_path, 'bad', ('tensorrt', 'fp16'))
+    msg = exit_message(capsys, tool.parse_args, base + ['--export-dir', bad])
+    assert 'latency.deploy must name a runtime and a precision it computes' in msg
+    assert 'openvino: fp32, bf16, int8' in msg
 
 
 def test_quantizer_ranges_must_be_finite():

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import os.path as osp
+import shutil
 import subprocess
 import sys
 
@@ -311,7 +312,12 @@ def test_semantic_segmentation_logits(data, runtime, tmp_path):
 
 
 def test_semantic_segmentation_label_in_graph(data, tmp_path):
-    run_ok(data, data['seg_label'], tmp_path)
+    proc = run_ok(data, data['seg_label'], tmp_path)
+    # not timed at export, no flags: onnxruntime fp32, and the first line says why
+    assert proc.stdout.splitlines()[0] == (
+        'export.json records no deployed form (tools/export_onnx.py --latency HxW measures '
+        'one): running onnxruntime fp32; --runtime/--precision choose another'), proc.stdout
+    assert proc.stdout.count('ms in onnxruntime fp32') == 2
     check_semantic(str(tmp_path), data, nearest=True)
 
 
@@ -389,6 +395,125 @@ def test_missing_artifacts_and_images(data, tmp_path):
     assert proc.returncode != 0 and 'cannot decode image' in proc.stderr
     assert (tmp_path / 'out' / 'portrait.json').exists()  # the other images still run
     assert 'Traceback' not in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# the deployed form export.json records: the default
+# ----------------------------------------------------------------------------------------------
+
+def deployed_export(data, out_dir, runtime: str, precision: str, int8: bool = True) -> str:
+    """The instance-segmentation export whose ``export.json`` records ``runtime precision``
+    as the deployed form (``latency`` as ``tools/export_onnx.py --latency`` writes it); with
+    ``int8``, INT8 artifacts that are copies of the fp32 graphs (the predictor runs the
+    file of the artifact's name: which one ran is what the test reads)."""
+    out = str(out_dir)
+    shutil.copytree(data['det'], out)
+    if int8:
+        shutil.copy(osp.join(out, 'model.onnx'), osp.join(out, 'model_int8.onnx'))
+        for ext in ('xml', 'bin'):
+            shutil.copy(osp.join(out, 'openvino', f'model.{ext}'),
+                        osp.join(out, 'openvino', f'model_int8.{ext}'))
+    timed = f'{runtime} {precision}'
+    spec = dict(det_spec(), precisions=['fp32', 'int8'] if int8 else ['fp32'], latency=dict(
+        shape='800x1333', input=[800, 1344], repeat=3,
+        median_ms={'eager fp32': 900.0, 'onnxruntime fp32': 400.0, timed: 300.0},
+        deploy=dict(runtime=runtime, precision=precision, median_ms=300.0,
+                    reason=f'{timed} 300 ms is the fastest {precision} form')))
+    with open(osp.join(out, 'export.json'), 'w') as f:
+        json.dump(spec, f, indent=2)
+    return out
+
+
+DEPLOYED_LINE = ('deployed form from export.json: openvino int8 (chosen by '
+                 'tools/export_onnx.py --latency 800x1333); --runtime/--precision choose '
+                 'another')
+
+
+def test_deployed_form_is_the_default(data, tmp_path):
+    """The README's command (no --runtime, no --precision) runs the deployed form and says
+    so; an export without one runs onnxruntime fp32 (test_semantic_segmentation_label_in_graph)."""
+    export = deployed_export(data, tmp_path / 'export', 'openvino', 'int8')
+    proc = run_ok(data, export, tmp_path / 'out')
+    assert proc.stdout.splitlines()[0] == DEPLOYED_LINE, proc.stdout
+    assert proc.stdout.count('ms in openvino int8') == 2, proc.stdout
+    with open(tmp_path / 'out' / 'portrait.json') as f:
+        record = json.load(f)
+    assert (record['runtime'], record['precision']) == ('openvino', 'int8')
+    assert [d['label'] for d in record['detections']] == [1, 2]
+
+
+@pytest.mark.parametrize('runtime,precision,ran,source', [
+    ('onnxruntime', None, ('onnxruntime', 'fp32'), 'command line'),  # another runtime: fp32
+    (None, 'fp32', ('openvino', 'fp32'), 'command line'),  # the deployed runtime
+    ('openvino', None, ('openvino', 'int8'), 'export.json'),  # the deployed precision
+    ('onnxruntime', 'int8', ('onnxruntime', 'int8'), 'command line'),
+])
+def test_flags_choose_another_form(data, tmp_path, runtime, precision, ran, source):
+    from mmslab.deploy.predict import Predictor
+    export = deployed_export(data, tmp_path / 'export', 'openvino', 'int8')
+    predictor = Predictor(export, runtime, threads=1, precision=precision)
+    assert (predictor.runtime, predictor.precision) == ran
+    assert predictor.form.source == source
+    artifacts = {('onnxruntime', 'fp32'): 'model.onnx', ('onnxruntime', 'int8'): 'model_int8.onnx',
+                 ('openvino', 'fp32'): 'openvino/model.xml',
+                 ('openvino', 'int8'): 'openvino/model_int8.xml'}
+    assert predictor.path == osp.join(export, artifacts[ran])
+    if source == 'export.json':
+        assert predictor.form.note == DEPLOYED_LINE
+    else:
+        said = ' and '.join(f for f, v in (('--runtime', runtime), ('--precision', precision))
+                            if v is not None)
+        assert predictor.form.note == (
+            f'running {ran[0]} {ran[1]} as {said} {"say" if " and " in said else "says"}; the '
+            'deployed form in export.json is openvino int8 (chosen by tools/export_onnx.py '
+            '--latency 800x1333)')
+
+
+def test_deployed_form_that_cannot_run_here_falls_back(data, tmp_path, monkeypatch):
+    """Its INT8 artifact missing, bf16 on a CPU without bf16 units, OpenVINO not installed:
+    the same runtime's fp32, else onnxruntime, and the note says why; what the command line
+    names is not replaced (a missing INT8 file it asks for is an error); a record that names
+    no valid form is an error naming the valid ones."""
+    from mmslab.deploy import runtimes
+    from mmslab.deploy.predict import PredictError, Predictor
+    from mmslab.utils import machine
+
+    export = deployed_export(data, tmp_path / 'no_int8', 'openvino', 'int8', int8=False)
+    predictor = Predictor(export, threads=1)
+    assert (predictor.runtime, predictor.precision, predictor.form.source) == \
+        ('openvino', 'fp32', 'fallback')
+    assert predictor.form.note == (
+        'deployed form from export.json: openvino int8 (chosen by tools/export_onnx.py '
+        f'--latency 800x1333), but {export}/openvino/model_int8.xml does not exist (exported '
+        'without --int8): running openvino fp32 instead; --runtime/--precision choose another')
+    with pytest.raises(PredictError, match='no INT8 openvino model at .*--int8'):
+        Predictor(export, precision='int8')
+
+    monkeypatch.setattr(machine, 'cpu_flags', lambda: ['avx2'])
+    export = deployed_export(data, tmp_path / 'bf16', 'openvino', 'bf16', int8=False)
+    predictor = Predictor(export, threads=1)
+    assert (predictor.runtime, predictor.precision) == ('openvino', 'fp32')
+    assert 'but this CPU has neither avx512_bf16 nor amx_bf16: running openvino fp32' in \
+        predictor.form.note
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(runtimes.importlib.util, 'find_spec',
+                        lambda name, *a: None if name == 'openvino' else find_spec(name, *a))
+    export = deployed_export(data, tmp_path / 'no_openvino', 'openvino', 'int8')
+    predictor = Predictor(export, threads=1)
+    assert (predictor.runtime, predictor.precision) == ('onnxruntime', 'fp32')
+    assert 'but OpenVINO is not installed here: running onnxruntime fp32 instead' in \
+        predictor.form.note
+    monkeypatch.undo()
+
+    spec = dict(det_spec(), latency=dict(shape='800x1333', deploy=dict(runtime='tensorrt',
+                                                                        precision='fp16')))
+    with open(osp.join(export, 'export.json'), 'w') as f:
+        json.dump(spec, f)
+    with pytest.raises(PredictError, match=r'latency.deploy must name a runtime and a '
+                       r'precision it computes \(onnxruntime: fp32, int8; openvino: fp32, '
+                       r'bf16, int8\)'):
+        Predictor(export)
 
 
 # ----------------------------------------------------------------------------------------------

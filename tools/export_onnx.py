@@ -42,7 +42,8 @@ image of that size, and records in ``export.json`` (``latency``) the medians, th
 (CPU, ISA) and ``deploy``: the form to deploy on this machine
 (:func:`mmslab.deploy.runtimes.choose_deployment`: the fastest fp32 form, replaced by a bf16
 or INT8 one only where that runs at least 1.05x as fast) with the comparison behind it.
-``tools/demo.sh`` evaluates that form.
+``tools/test.py --export-dir DIR`` and ``python -m mmslab.deploy.predict DIR`` run that form
+unless told otherwise (:func:`mmslab.deploy.runtimes.choose_runtime_form`).
 """
 import argparse
 import copy

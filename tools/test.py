@@ -4,7 +4,7 @@
                          [--show-dir DIR] [--wait-time S] [--cfg-options KEY=VALUE ...]
                          [--launcher {none,pytorch,slurm,mpi}] [--tta] [--latency]
                          [--precision {fp32,bf16,int8,auto}]
-                         [--backend {pytorch,onnxruntime,openvino} --export-dir DIR]
+                         [--export-dir DIR [--backend {deployed,onnxruntime,openvino}]]
 
 The config's ``default_scope`` ('mmdet' or 'mmseg') selects the codebase. ``--out`` is a pickle
 file of raw detections (mmdet) or a directory of predicted label maps (mmseg). The metrics are
@@ -20,7 +20,7 @@ logged as usual and, on the main process, printed as one JSON line starting with
   torch.bfloat16)`` with float32 in between and in the post-processing (NMS, mask pasting,
   resizing); ``--backend openvino`` computes the fp32 export in bf16
   (``INFERENCE_PRECISION_HINT``); onnxruntime has no bf16 on x86 CPUs;
-* ``int8`` (with ``--backend``): the export's INT8 artifact (``tools/export_onnx.py --int8``);
+* ``int8`` (with ``--export-dir``): the export's INT8 artifact (``tools/export_onnx.py --int8``);
 * ``auto``: times fp32 and, where the CPU (and runtime) has it, bf16 on the first test batch
   and evaluates in bf16 only if it is at least 1.05x faster; never INT8, which changes the
   model. The times and the choice are logged and written to ``metrics.json``
@@ -36,9 +36,27 @@ and writes ``WORK_DIR/latency.json`` (medians, speed-up, ``device``, ``precision
 ``dict(type='ReparamEvalHook', precision='fp16')`` in the config (evaluated and timed in
 fp16), or ``tools/benchmark.py --device cuda --precisions fp32 fp16`` for timing alone.
 
-``--backend onnxruntime|openvino --export-dir DIR``: the model that ``tools/export_onnx.py
-CONFIG CHECKPOINT --out DIR`` exported runs in that runtime (``--precision int8``: its INT8
-artifact).
+``--export-dir DIR [--backend deployed|onnxruntime|openvino]``: the model that
+``tools/export_onnx.py CONFIG CHECKPOINT --out DIR`` exported runs in a runtime
+(``--precision int8``: its INT8 artifact), chosen as the predictor chooses it
+(:func:`mmslab.deploy.runtimes.choose_runtime_form`), and a logged line says which and why:
+
+* ``--backend`` omitted: the deployed form ``DIR/export.json`` records (``latency.deploy``:
+  what ``tools/export_onnx.py --latency`` chose on the export's machine), onnxruntime fp32
+  where the export was not timed; ``--backend deployed``: the same, and an export without
+  a deployed form is an error;
+* ``--backend onnxruntime|openvino``: that runtime, at the deployed precision if it is the
+  deployed runtime, else fp32;
+* ``--precision`` (``--int8``, ``--bf16``) names the precision; with the backend omitted
+  or ``deployed``, in the deployed runtime.
+
+Where the deployed form cannot run here (its INT8 artifact missing, OpenVINO not installed,
+bf16 on a CPU without bf16 units) the same runtime's fp32, else onnxruntime, is evaluated,
+and the logged line says why. ``metrics.json`` records what ran (``backend``,
+``precision``), ``form_source`` (``export.json``, ``fallback``, ``command line`` or
+``default``) and ``deployed_form`` (the recorded ``runtime`` / ``precision``, null where
+none is).
+
 For a whole-model export (the default) only data loading and pre-processing stay in
 Python, so the metrics are those of the deployed model; a ``features`` / ``backbone``
 export runs the heads in PyTorch. The export must come from CHECKPOINT (SHA-256 recorded in
@@ -62,14 +80,18 @@ from mmengine.runner import Runner
 
 import mmslab  # noqa: F401  (registers mmslab's components)
 import mmslab.engine  # noqa: F401  (weights-only checkpoint loading for mmengine)
-from mmslab.deploy.runtimes import PRECISIONS, RUNTIMES, resolve_precision
+from mmslab.deploy.runtimes import (PRECISIONS, RUNTIMES, choose_runtime_form,
+                                    resolve_precision)
 from mmslab.utils import DataNotFoundError, check_data_root
 from mmslab.utils.launch import (add_launcher_args, export_local_rank, load_config,
                                  set_work_dir, setup_cpu_distributed,
                                  teardown_cpu_distributed)
 
 METRICS_PREFIX = 'mmslab-test-metrics: '
-BACKENDS = ('pytorch', ) + RUNTIMES
+#: ``deployed``: the form ``export.json`` records (``--backend`` omitted with ``--export-dir``:
+#: that form where one is recorded).
+DEPLOYED = 'deployed'
+BACKENDS = ('pytorch', DEPLOYED) + RUNTIMES
 PRECISION_CHOICES = PRECISIONS + ('auto', )
 
 
@@ -95,20 +117,27 @@ def parse_args(argv=None):
                         help='measure per-image latency (fused and unfused, both in the '
                         '--precision evaluated; CUDA events on a GPU) into latency.json, with '
                         'the device, precision and machine (GPU name, driver, CUDA, cuDNN)')
-    parser.add_argument('--backend', choices=BACKENDS, default='pytorch',
-                        help='run the exported model part in this runtime (needs --export-dir)')
+    parser.add_argument('--backend', choices=BACKENDS, default=None,
+                        help='pytorch (default without --export-dir); with --export-dir: '
+                        'deployed (default: the form export.json records, onnxruntime fp32 '
+                        'where none is; given: an export without one is an error), '
+                        'onnxruntime or openvino')
     parser.add_argument('--export-dir', help='directory written by tools/export_onnx.py --out')
     parser.add_argument('--precision', choices=PRECISION_CHOICES, default=None,
-                        help='fp32 (default); bf16: PyTorch autocast or OpenVINO bf16 (CPUs '
+                        help='fp32 (default; with --export-dir: the deployed precision in the '
+                        'deployed runtime); bf16: PyTorch autocast or OpenVINO bf16 (CPUs '
                         'with avx512_bf16 / amx_bf16); int8: the INT8 artifact (needs '
-                        '--backend); auto: the faster of fp32 and bf16, measured here')
+                        '--export-dir); auto: the faster of fp32 and bf16, measured here')
     parser.add_argument('--int8', action='store_true', help='the same as --precision int8')
     parser.add_argument('--bf16', action='store_true', help='the same as --precision bf16')
     parser.add_argument('--runtime-threads', type=int, default=0,
                         help='runtime threads (default: the runtime\'s own)')
     add_launcher_args(parser)
     args = parser.parse_args(argv)
-    resolve_precision_args(parser, args)
+    args.backend_requested = args.backend
+    if args.backend is None:
+        args.backend = DEPLOYED if args.export_dir else 'pytorch'
+    args.form = None  # the runtime form (RuntimeForm) of a runtime backend
     if args.backend != 'pytorch':
         if not args.export_dir:
             parser.error(f'--backend {args.backend} needs --export-dir DIR (the directory '
@@ -119,9 +148,11 @@ def parse_args(argv=None):
         if args.tta:
             parser.error('--tta is not supported with a runtime backend (the runtime runs '
                          'the exported single-pass model)')
-    else:
-        if args.export_dir:
-            parser.error('--export-dir needs --backend onnxruntime or openvino')
+    elif args.export_dir:
+        parser.error(f'--export-dir needs a runtime backend: --backend '
+                     f'{", ".join(b for b in BACKENDS if b != "pytorch")}, or no --backend '
+                     '(the deployed form)')
+    resolve_precision_args(parser, args)
     export_local_rank(args)
     return args
 
@@ -129,18 +160,51 @@ def parse_args(argv=None):
 def resolve_precision_args(parser, args) -> None:
     """``args.precision`` from ``--precision`` and its short forms ``--int8`` / ``--bf16``
     (:func:`mmslab.deploy.runtimes.resolve_precision`), checked against the backend (an
-    error names the valid choices)."""
-    runtime = None if args.backend == 'pytorch' else args.backend
+    error names the valid choices). A runtime backend: ``args.backend`` and
+    ``args.precision`` become the form that runs and ``args.form`` says where it came from
+    (:func:`resolve_runtime_form`)."""
+    runtime = None if args.backend in ('pytorch', DEPLOYED) else args.backend
+    named = args.precision is not None or args.int8 or args.bf16
     try:
         args.precision = resolve_precision(args.precision, args.int8, args.bf16, runtime,
                                            auto=True)
     except ValueError as err:
         parser.error(str(err))
-    if runtime is None and args.precision == 'int8':
+    if args.backend == 'pytorch' and args.precision == 'int8':
         parser.error('INT8 is an exported artifact: --precision int8 needs --backend '
-                     'onnxruntime or openvino --export-dir DIR (tools/export_onnx.py --int8). '
+                     'onnxruntime or openvino --export-dir DIR (tools/export_onnx.py --int8; '
+                     '--export-dir DIR alone: the deployed runtime). '
                      'Valid with pytorch: fp32, bf16, auto')
+    if args.backend != 'pytorch':
+        resolve_runtime_form(parser, args, args.precision if named else None)
     args.int8, args.bf16 = args.precision == 'int8', args.precision == 'bf16'
+
+
+def resolve_runtime_form(parser, args, precision) -> None:
+    """``args.backend`` (a runtime) and ``args.precision`` of a runtime backend from what
+    the command line names (``precision`` None: not named) and the deployed form
+    ``export.json`` records (:func:`mmslab.deploy.runtimes.choose_runtime_form`);
+    ``args.form`` keeps the choice and the line that says so. An ``export.json`` that does
+    not validate is reported here where the deployed form is asked for, else by
+    :func:`setup_runtime_backend`."""
+    from mmslab.deploy.export_info import ExportInfoError, read_export_info
+    deployed = args.backend == DEPLOYED
+    try:
+        info = read_export_info(args.export_dir)
+    except ExportInfoError as err:
+        if deployed:
+            parser.error(str(err))
+        info = None
+    try:
+        args.form = choose_runtime_form(
+            args.export_dir, info, None if deployed else args.backend, precision,
+            flags=('--backend', '--precision'), auto=True,
+            require_deployed=args.backend_requested == DEPLOYED)
+    except ValueError as err:
+        backend = f'--backend {args.backend_requested}' if args.backend_requested else \
+            'no --backend (the deployed form)'
+        parser.error(f'{backend}, --export-dir {args.export_dir}: {err}')
+    args.backend, args.precision = args.form.runtime, args.form.precision
 
 
 def trigger_visualization_hook(cfg: Config, args, scope: str) -> None:
@@ -312,6 +376,17 @@ def precision_report(runner, args) -> dict:
     return out
 
 
+def form_report(args) -> dict:
+    """For ``metrics.json``, with a runtime backend: where the runtime form came from
+    (``form_source``) and the deployed form ``export.json`` records (``deployed_form``,
+    ``runtime`` and ``precision``; None where none is)."""
+    if args.form is None:
+        return {}
+    deployed = args.form.deployed
+    return dict(form_source=args.form.source, deployed_form=deployed and dict(
+        runtime=deployed['runtime'], precision=deployed['precision']))
+
+
 def main(argv=None):
     args = parse_args(argv)
     # launcher first, so that --cfg-options may still override it
@@ -343,6 +418,8 @@ def main(argv=None):
         runner = Runner.from_cfg(cfg)
     else:
         runner = RUNNERS.build(cfg)
+    if args.form is not None and args.form.note:  # which runtime form, and why
+        runner.logger.info(args.form.note)
 
     if args.out is not None and scope == 'mmdet':
         if not args.out.endswith(('.pkl', '.pickle')):
@@ -353,7 +430,8 @@ def main(argv=None):
     metrics = runner.test()
     if is_main_process():
         line = dict(metrics or {})
-        line.update(backend=args.backend, **precision_report(runner, args))
+        line.update(backend=args.backend, **precision_report(runner, args),
+                    **form_report(args))
         print(METRICS_PREFIX + json.dumps(line, default=_jsonable), flush=True)
         with open(osp.join(cfg.work_dir, 'metrics.json'), 'w') as f:
             json.dump(line, f, indent=2, default=_jsonable)

@@ -25,7 +25,9 @@ Keys (schema :data:`SCHEMA_VERSION`):
   the ``split`` form),
   ``precisions``,
   ``versions``, ``machine``, and the measurements: parity and INT8 deviation per runtime,
-  ``tolerance``, ``export_seconds``, ``onnx_mb``, ``int8``, ``parity_images``, ``latency``.
+  ``tolerance``, ``export_seconds``, ``onnx_mb``, ``int8``, ``parity_images``, ``latency``
+  (``tools/export_onnx.py --latency``; its ``deploy``, the form to deploy, is what the
+  predictor and ``tools/test.py --export-dir`` run by default: :func:`deployed_form`).
 
 A missing or malformed key is an :class:`ExportInfoError` naming it and the command that
 writes a valid directory. Directories written before ``export.json`` had a
@@ -163,6 +165,27 @@ def check_export_info(info: dict, path: str, whole_model: bool = False,
             all(isinstance(c, list) and len(c) == 3 for c in palette)):
         raise ExportInfoError(f'{path}: palette must be a list of [r, g, b]')
     return info
+
+
+def deployed_form(info: dict, path: str = EXPORT_JSON) -> Optional[dict]:
+    """The deployed form ``info`` records (``latency.deploy``, written by
+    ``tools/export_onnx.py --latency``: :func:`~mmslab.deploy.runtimes.choose_deployment`):
+    ``runtime``, ``precision`` and the ``shape`` timed; None where the export was not timed.
+    A record naming a runtime or precision that does not exist is an
+    :class:`ExportInfoError` naming the valid ones (``path``: the file, for the message)."""
+    from .runtimes import RUNTIME_PRECISIONS  # (runtimes imports this module)
+    latency = info.get('latency')
+    deploy = latency.get('deploy') if isinstance(latency, dict) else None
+    if deploy is None:
+        return None
+    runtime = deploy.get('runtime') if isinstance(deploy, dict) else None
+    precision = deploy.get('precision') if isinstance(deploy, dict) else None
+    if precision not in RUNTIME_PRECISIONS.get(runtime, ()):
+        valid = '; '.join(f'{r}: {", ".join(p)}' for r, p in RUNTIME_PRECISIONS.items())
+        raise ExportInfoError(
+            f'{path}: latency.deploy must name a runtime and a precision it computes '
+            f'({valid}), got {deploy!r}; export again with --latency HxW')
+    return dict(runtime=runtime, precision=precision, shape=latency.get('shape'))
 
 
 def check_pipeline(p: dict, path: str) -> None:

@@ -14,10 +14,20 @@ mmdet's / mmseg's rescaling to the original image.
 ``EXPORT_DIR`` is written by ``tools/export_onnx.py --part model``: ``model.onnx``,
 ``model_int8.onnx``, ``openvino/model.xml``, ``openvino/model_int8.xml`` and ``export.json``.
 
-``--precision``: ``fp32`` (default) runs ``model.onnx`` / ``model.xml`` in fp32 arithmetic;
-``int8`` (or ``--int8``) the INT8 artifact; ``bf16`` (OpenVINO on CPUs with avx512_bf16 /
-amx_bf16; refused elsewhere and for onnxruntime, which has no bf16 on x86 CPUs) the fp32
-model with OpenVINO's ``INFERENCE_PRECISION_HINT=bf16``.
+The form that runs (:func:`mmslab.deploy.runtimes.choose_runtime_form`, printed first):
+without ``--runtime`` / ``--precision``, the deployed form ``export.json`` records
+(``latency.deploy``: the runtime and precision ``tools/export_onnx.py --latency`` chose on
+the export's machine), or onnxruntime fp32 where the export was not timed. ``--runtime``
+alone runs that runtime at the deployed precision if it is the deployed runtime, else in
+fp32; ``--precision`` alone runs the deployed runtime at that precision. Where the deployed
+form cannot run here (its INT8 artifact missing, OpenVINO not installed, bf16 on a CPU
+without bf16 units), the same runtime's fp32, else onnxruntime, runs, and the printed line
+says why.
+
+``--precision``: ``fp32`` runs ``model.onnx`` / ``model.xml`` in fp32 arithmetic; ``int8``
+(or ``--int8``) the INT8 artifact; ``bf16`` (OpenVINO on CPUs with avx512_bf16 / amx_bf16;
+refused elsewhere and for onnxruntime, which has no bf16 on x86 CPUs) the fp32 model with
+OpenVINO's ``INFERENCE_PRECISION_HINT=bf16``.
 
 export.json contract, checked by its owner :mod:`mmslab.deploy.export_info` (the keys read
 here; ``schema_version``, ``shape`` and ``dynamic`` are required of every export and any
@@ -68,7 +78,8 @@ import cv2
 import numpy as np
 
 from .export_info import TASK_OUTPUTS, ExportInfoError, read_export_info
-from .runtimes import PRECISIONS, RUNTIMES, load_runtime_model, resolve_precision
+from .runtimes import (PRECISIONS, RUNTIMES, check_runtime, choose_runtime_form,
+                       load_runtime_model, resolve_precision)
 
 #: The keys of the whole-model contract (module docstring); the others are printed.
 CONTRACT_KEYS = ('part', 'task', 'outputs', 'pipeline', 'classes', 'palette',
@@ -328,17 +339,31 @@ class Predictor:
 
     Args:
         export_dir (str): what ``tools/export_onnx.py --part model`` wrote.
-        runtime (str): ``onnxruntime`` or ``openvino``.
+        runtime (str, optional): ``onnxruntime`` or ``openvino``. Default: None, the deployed
+            form ``export.json`` records, onnxruntime where none is (module docstring).
         int8 (bool): run the INT8 model of that runtime (``precision='int8'``).
         threads (int): intra-op threads of the runtime; 0 lets it choose.
-        precision (str): 'fp32', 'bf16' (OpenVINO on CPUs with bf16 units) or 'int8'.
+        precision (str, optional): 'fp32', 'bf16' (OpenVINO on CPUs with bf16 units) or
+            'int8'. Default: None, the deployed precision where ``runtime`` is the deployed
+            runtime, else fp32.
+
+    Attributes:
+        form (RuntimeForm): the runtime and precision that run, where they came from and
+            the line that says so (``form.note``).
     """
 
-    def __init__(self, export_dir: str, runtime: str = 'onnxruntime', int8: bool = False,
+    def __init__(self, export_dir: str, runtime: Optional[str] = None, int8: bool = False,
                  threads: int = 0, precision: Optional[str] = None):
         try:
-            self.precision = resolve_precision(precision, int8, runtime=runtime)
+            # what the caller named, checked before anything is read
+            if runtime is not None:
+                check_runtime(runtime)
+            named = resolve_precision(precision, int8, runtime=runtime) \
+                if precision is not None or int8 else None
             self.spec = load_export(export_dir)
+            # (export.json's latency, among the keys outside the contract)
+            self.form = choose_runtime_form(export_dir, self.spec['extra'], runtime, named)
+            runtime, self.precision = self.form.runtime, self.form.precision
             self.model = load_runtime_model(export_dir, runtime, self.precision, threads)
         except (ValueError, OSError, RuntimeError) as err:  # no bf16 units: RuntimeError
             raise PredictError(str(err)) from None
@@ -514,10 +539,13 @@ def parse_args(argv=None):
     p.add_argument('export_dir', help='directory written by tools/export_onnx.py')
     p.add_argument('images', nargs='+', help='image files')
     p.add_argument('--out', required=True, help='output directory')
-    p.add_argument('--runtime', choices=RUNTIMES, default='onnxruntime')
+    p.add_argument('--runtime', choices=RUNTIMES, default=None,
+                   help="default: the deployed form's runtime that export.json records "
+                   '(tools/export_onnx.py --latency), onnxruntime where none is')
     p.add_argument('--precision', choices=PRECISIONS, default=None,
-                   help='fp32 (default); bf16: OpenVINO computes the fp32 model in bf16 (CPUs '
-                   'with avx512_bf16 / amx_bf16); int8: the INT8 model of the runtime')
+                   help='default: the deployed precision with the deployed runtime, else '
+                   'fp32; bf16: OpenVINO computes the fp32 model in bf16 (CPUs with '
+                   'avx512_bf16 / amx_bf16); int8: the INT8 model of the runtime')
     p.add_argument('--int8', action='store_true', help='the same as --precision int8')
     p.add_argument('--score-thr', type=float, default=0.3,
                    help='detections with a higher score are drawn and written')
@@ -536,12 +564,14 @@ def main(argv=None) -> int:
     except PredictError as err:
         print(f'error: {err}', file=sys.stderr)
         return 1
+    if predictor.form.note:
+        print(predictor.form.note)
     spec = predictor.spec
     scalar = (str, int, float, bool, type(None))
     extra = ', '.join(f'{k}={v}' for k, v in spec['extra'].items() if isinstance(v, scalar) or
                       isinstance(v, list) and all(isinstance(x, scalar) for x in v))
     print(f'{predictor.path}: {spec["task"]}, {len(spec["classes"])} classes, '
-          f'{args.runtime} {predictor.precision}' + (f'; {extra}' if extra else ''))
+          f'{predictor.runtime} {predictor.precision}' + (f'; {extra}' if extra else ''))
     os.makedirs(args.out, exist_ok=True)
     failed = 0
     for path, stem in zip(args.images, unique_stems(args.images)):
@@ -549,7 +579,7 @@ def main(argv=None) -> int:
             image = read_image(path)
             result = predictor(image, args.score_thr)
             record = save_result(result, image, path, args.out, stem, spec, args.score_thr,
-                                 args.runtime, predictor.precision)
+                                 predictor.runtime, predictor.precision)
         except PredictError as err:
             print(f'error: {path}: {err}', file=sys.stderr)
             failed += 1
@@ -562,7 +592,7 @@ def main(argv=None) -> int:
             found = f'{len(record["histogram"])} classes: ' + ', '.join(
                 e['class'] for e in sorted(record['histogram'], key=lambda e: -e['pixels']))
         print(f'{path}: {w}x{h} (input {iw}x{ih}), {found}, '
-              f'{result["latency_ms"]:.1f} ms in {args.runtime} {predictor.precision}')
+              f'{result["latency_ms"]:.1f} ms in {predictor.runtime} {predictor.precision}')
     if failed:
         print(f'error: {failed} of {len(args.images)} images failed', file=sys.stderr)
     return 1 if failed else 0

@@ -24,20 +24,26 @@ with avx512_bf16 / amx_bf16) the fp32 artifact with OpenVINO's
 ``INFERENCE_PRECISION_HINT=bf16``. onnxruntime has no bf16 path on x86 CPUs
 (:data:`ORT_NO_BF16`).
 
+Which runtime and precision an export directory runs in by default
+(:func:`choose_runtime_form`): the deployed form ``export.json`` records
+(``latency.deploy``, :func:`choose_deployment` at export) where the caller names neither,
+onnxruntime fp32 where nothing is recorded; what the caller names wins.
+
 Writing the artifacts is the export side: ``tools/export_onnx.py`` with
 :func:`convert_to_openvino` (the IR of the ONNX file) and :mod:`mmslab.deploy.quantize`
 (calibration and INT8, which need the model).
 """
 import importlib
+import importlib.util
 import os
 import os.path as osp
 import warnings
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .export_info import EXPORT_HINT
+from .export_info import EXPORT_HINT, EXPORT_JSON, deployed_form
 
 RUNTIMES = ('onnxruntime', 'openvino')
 PRECISIONS = ('fp32', 'bf16', 'int8')
@@ -165,6 +171,133 @@ def artifact_path(export_dir: str, runtime: str, precision: str) -> str:
     if runtime == 'onnxruntime':
         return osp.join(export_dir, 'model_int8.onnx' if int8 else 'model.onnx')
     return osp.join(export_dir, 'openvino', 'model_int8.xml' if int8 else 'model.xml')
+
+
+# ----------------------------------------------------------------------------------------------
+# the form an export directory runs in
+# ----------------------------------------------------------------------------------------------
+
+class RuntimeForm(NamedTuple):
+    """The runtime and precision chosen for an export directory (:func:`choose_runtime_form`).
+
+    ``source``: ``'export.json'`` (the deployed form it records), ``'fallback'`` (that form
+    cannot run here, ``note`` says why and what runs instead), ``'command line'`` (the
+    caller's runtime / precision) or ``'default'`` (nothing recorded, nothing named:
+    onnxruntime fp32). ``deployed``: the recorded form (``runtime``, ``precision``,
+    ``shape``), None where the export was not timed. ``note``: the line a tool prints about
+    the choice (None where the caller named the form and nothing is recorded).
+    """
+    runtime: str
+    precision: str
+    source: str
+    deployed: Optional[dict]
+    note: Optional[str]
+
+
+def form_problem(export_dir: str, runtime: str, precision: str) -> Optional[str]:
+    """Why ``runtime`` at ``precision`` cannot run ``export_dir``'s model on this machine
+    (runtime not installed, no bf16 units, artifact missing), or None."""
+    if runtime == 'openvino' and importlib.util.find_spec('openvino') is None:
+        return 'OpenVINO is not installed here'
+    if precision == 'bf16':
+        from mmslab.utils.machine import has_bf16  # torch-free: /proc/cpuinfo flags
+        if not has_bf16():
+            return 'this CPU has neither avx512_bf16 nor amx_bf16'
+    path = artifact_path(export_dir, runtime, 'fp32' if precision == 'auto' else precision)
+    if not osp.isfile(path):
+        return f'{path} does not exist' + (' (exported without --int8)'
+                                           if precision == 'int8' else '')
+    return None
+
+
+def choose_runtime_form(export_dir: str, info: Optional[dict], runtime: Optional[str] = None,
+                        precision: Optional[str] = None,
+                        flags: Tuple[str, str] = ('--runtime', '--precision'),
+                        require_deployed: bool = False, auto: bool = False) -> RuntimeForm:
+    """The runtime and precision ``export_dir`` runs in: the deployed form its
+    ``export.json`` records (``info``, read by the caller: :func:`deployed_form`) for what the
+    caller leaves None, else what the caller names.
+
+    * ``runtime`` None: the deployed runtime (onnxruntime where none is recorded);
+    * ``precision`` None: the deployed precision where the runtime is the deployed one, else
+      fp32;
+    * where the recorded form decided and cannot run here (:func:`form_problem`: its INT8
+      artifact missing, OpenVINO not installed, bf16 without bf16 units), the same runtime in
+      fp32, then onnxruntime, whichever can; ``note`` says so.
+
+    Args:
+        export_dir: the export directory (its artifacts are checked).
+        info: its ``export.json`` (None: unreadable; nothing recorded).
+        runtime, precision: what the caller names (None: not named). ``precision`` is one
+            precision, the short forms ``--int8`` / ``--bf16`` resolved
+            (:func:`resolve_precision`).
+        flags: the caller's option names for runtime and precision, for ``note``.
+        require_deployed: refuse (``ValueError``) an export that records no deployed form.
+        auto: allow precision ``'auto'`` (``tools/test.py``).
+
+    Returns:
+        RuntimeForm: ``note`` is the line to print.
+    """
+    deployed = deployed_form(info, osp.join(export_dir, EXPORT_JSON)) if info else None
+    choose = '/'.join(flags) + ' choose another'
+    named = [f for f, value in zip(flags, (runtime, precision)) if value is not None]
+    if runtime is not None:
+        check_runtime(runtime)
+    if deployed is None:
+        if require_deployed:
+            raise ValueError(
+                f'{osp.join(export_dir, EXPORT_JSON)} records no deployed form (latency.deploy, '
+                f'written by {EXPORT_HINT.format(dir=export_dir)} --latency HxW); name the '
+                f'runtime instead: {flags[0]} {" or ".join(RUNTIMES)}')
+        runtime = runtime or 'onnxruntime'
+        precision = resolve_precision(precision, runtime=runtime, auto=auto)
+        note = None if named else (
+            f'{EXPORT_JSON} records no deployed form (tools/export_onnx.py --latency HxW '
+            f'measures one): running {runtime} {precision}; {choose}')
+        return RuntimeForm(runtime, precision, 'command line' if named else 'default', None,
+                           note)
+
+    rec = f"{deployed['runtime']} {deployed['precision']}"
+    why = f"chosen by tools/export_onnx.py --latency {deployed['shape']}"
+    runtime_recorded, precision_recorded = runtime is None, False
+    runtime = runtime or deployed['runtime']
+    if precision is None:
+        precision_recorded = runtime == deployed['runtime']
+        precision = deployed['precision'] if precision_recorded else 'fp32'
+    try:
+        precision = resolve_precision(precision, runtime=runtime, auto=auto)
+    except ValueError as err:
+        if runtime_recorded:  # the caller named the precision only
+            raise ValueError(f'{runtime} is the deployed runtime {EXPORT_JSON} records ({rec}): '
+                             f'{err}') from None
+        raise
+
+    problem = form_problem(export_dir, runtime, precision) \
+        if runtime_recorded or precision_recorded else None
+    if problem is not None:
+        candidates = []
+        if precision_recorded and precision != 'fp32':
+            candidates.append((runtime, 'fp32'))
+        if runtime_recorded and runtime != 'onnxruntime':
+            other = 'fp32' if precision_recorded else precision
+            if other in RUNTIME_PRECISIONS['onnxruntime'] + (('auto', ) if auto else ()):
+                candidates.append(('onnxruntime', other))
+        usable = [c for c in candidates if form_problem(export_dir, *c) is None]
+        if usable:  # else the chosen form stays, and opening it says what is missing
+            runtime, precision = usable[0]
+            return RuntimeForm(
+                runtime, precision, 'fallback', deployed,
+                f'deployed form from {EXPORT_JSON}: {rec} ({why}), but {problem}: running '
+                f'{runtime} {precision} instead; {choose}')
+
+    if (runtime, precision) == (deployed['runtime'], deployed['precision']):
+        return RuntimeForm(runtime, precision, 'export.json', deployed,
+                           f'deployed form from {EXPORT_JSON}: {rec} ({why}); {choose}')
+    return RuntimeForm(
+        runtime, precision, 'command line', deployed,
+        f'running {runtime} {precision} as {" and ".join(named)} '
+        f'{"say" if len(named) > 1 else "says"}; the deployed form in {EXPORT_JSON} is {rec} '
+        f'({why})')
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
 from mmengine.runner import BaseLoop
 
-from mmslab.deploy.export_info import is_detector, is_segmentor, read_export_info
+from mmslab.deploy.export_info import (ExportInfoError, deployed_form, is_detector,
+                                       is_segmentor, read_export_info)
 from mmslab.registry import register_hook
 
 
@@ -142,6 +143,10 @@ class RuntimeBackendHook(Hook):
             epoch began, for 'auto'), :attr:`auto_record` the measurement. Default: None
             (``int8`` and ``bf16`` decide; fp32 where neither is set).
 
+    ``runtime`` and ``precision`` are used as given (``tools/test.py`` chooses them from the
+    deployed form ``export.json`` records, :func:`mmslab.deploy.runtimes.choose_runtime_form`);
+    the log line of the swap says whether they are that form (:attr:`recorded_form`).
+
     Its priority (HIGH) is below ``ReparamEvalHook`` (VERY_HIGH), which swaps in the fused
     copy first; the methods are patched on that copy, so ``ReparamEvalHook``'s equivalence
     check (unfused PyTorch vs the model the loop runs) then compares against the runtime.
@@ -161,6 +166,10 @@ class RuntimeBackendHook(Hook):
         self.threads = threads
         self.info = read_export_info(export_dir)
         self.part = self.info['part']
+        try:  # named in the log: whether what runs is the form the export deploys
+            self.recorded_form = deployed_form(self.info)
+        except ExportInfoError:
+            self.recorded_form = None
         self._runtime_model = None
         self._patched: Optional[Tuple[nn.Module, dict, dict]] = None
 
@@ -309,10 +318,18 @@ class RuntimeBackendHook(Hook):
         for name, fn in replacements.items():
             setattr(model, name, fn)
         shape = 'dynamic' if self.info.get('dynamic') else 'x'.join(map(str, self.info['shape']))
+        recorded = self.recorded_form
+        if recorded is None:
+            deployed = 'export.json records no deployed form'
+        elif (recorded['runtime'], recorded['precision']) == (self.runtime, self.precision):
+            deployed = 'the deployed form export.json records'
+        else:
+            deployed = (f"export.json's deployed form is {recorded['runtime']} "
+                        f"{recorded['precision']}")
         runner.logger.info(
             f"RuntimeBackendHook: part '{self.part}' runs in {self.runtime} "
             f"({'INT8' if self.int8 else self.precision}, "
-            f"{self._runtime_model.path}, input {shape}); "
+            f"{self._runtime_model.path}, input {shape}; {deployed}); "
             f'the rest of {type(model).__name__} in PyTorch')
 
     def _exit(self, runner=None) -> None:
