@@ -33,6 +33,7 @@ OPENMMLAB_REQUIREMENTS = ('torch', 'mmengine', 'mmcv', 'mmdet', 'mmseg')
 _LAZY = {
     'reparameterize': ('mmslab.models', 'reparameterize'),
     'set_progressive_iter': ('mmslab.engine.hooks', 'set_progressive_iter'),
+    'run_code_path': ('mmslab.models.layers.code_path', 'run_code_path'),
     'benchmark': ('mmslab.benchmark', None),
     'datasets': ('mmslab.datasets', None),
     'deploy': ('mmslab.deploy', None),
@@ -64,6 +65,7 @@ if _UNAVAILABLE is None:
     from .engine import hooks  # noqa: E402,F401  (registers the hooks)
     from .engine.hooks import set_progressive_iter  # noqa: E402
     from .models import reparameterize  # noqa: E402
+    from .models.layers.code_path import run_code_path  # noqa: E402
 elif not (_UNAVAILABLE[0] == 'torch' and isinstance(_UNAVAILABLE[1], ModuleNotFoundError)
           and _UNAVAILABLE[1].name == 'torch'):
     # Not a machine without PyTorch: a partial or broken install, which a config naming
@@ -92,4 +94,4 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ['reparameterize', 'set_progressive_iter', '__version__']
+__all__ = ['reparameterize', 'run_code_path', 'set_progressive_iter', '__version__']

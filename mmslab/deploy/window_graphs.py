@@ -21,15 +21,6 @@ from .rewriters import register_rewriter
 RUNTIME_HEAD_LAYOUTS = dict(onnxruntime='token_major', openvino='window_major')
 
 
-def bias_by_kind(kernel: WindowMSA, shift_mask, dtype: torch.dtype) -> Tensor:
-    """``[1 | nW, heads, N, N]``: position bias (+ shift mask) in one gather by window kind,
-    where a mask built from the map costs a comparison, a select and an add per element."""
-    bias = kernel.position_bias().to(dtype).unsqueeze(0)
-    if shift_mask is None:
-        return bias
-    return shift_mask.gather(bias + shift_mask.table.to(dtype).unsqueeze(1))
-
-
 def padded_token(kernel: WindowKernelBase) -> Optional[Tensor]:
     """``[C]``: the ``qkv`` input that gives the padded slot
     (:meth:`~mmslab.models.layers.window_attention.WindowKernelBase.padded_qkv`), so windows
@@ -87,7 +78,7 @@ def _attend_padded_split(self: ShiftWindowAttention, x: Tensor, lay: dict,
     attn = q @ k  # [B', heads, N, N]
     # one image: B' = nW, so the [nW, heads, N, N] bias adds with no reshape for runtimes
     # to fuse over (several images fail on the shapes, never silently)
-    bias = bias_by_kind(kernel, lay.get('shift_mask'), attn.dtype)
+    bias = kernel.attention_bias(lay.get('shift_mask'), attn.dtype)
     out = (attn + (bias[0] if 'shift_mask' not in lay else bias)).softmax(dim=-1) @ v
     out = out.transpose(1, 2).reshape(b, -1, c)
     return out.index_select(1, lay['slot'])

@@ -3,6 +3,7 @@ import copy
 
 import torch.nn as nn
 from mmengine.logging import MMLogger
+from mmengine.model import BaseModule
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..checkpoint_utils import load_pretrained_backbone
@@ -33,7 +34,8 @@ class BackbonePreset:
 
 
 class ReparamBackboneMixin(Reparameterizable):
-    """BN-statistics policy, pretrained loading and the deploy switch of mmslab backbones.
+    """BN-statistics policy, initialization, pretrained loading and the deploy switch of
+    mmslab backbones.
 
     Expects ``self.bn_stats``, ``self.init_cfg`` and ``self.deploy``.
 
@@ -98,6 +100,27 @@ class ReparamBackboneMixin(Reparameterizable):
                                  allow_uninitialized=self.init_cfg.get('allow_uninitialized',
                                                                        False))
         return True
+
+    def init_weights(self) -> None:
+        """``init_cfg=dict(type='Pretrained', ...)`` loads a checkpoint; another ``init_cfg``
+        is mmengine's; without one, every layer gets the backbone's default
+        (:meth:`_init_default`), then every child with an ``init_weights`` of its own that
+        is not an mmengine ``BaseModule`` (a kernel's bias table, a position embedding)
+        runs it, so a layer's own initialization wins, in any backbone it is placed in."""
+        if self._load_pretrained():
+            return
+        if self.init_cfg is not None:
+            super().init_weights()
+            return
+        for m in self.modules():
+            self._init_default(m)
+        for m in self.modules():
+            if m is not self and hasattr(m, 'init_weights') and not isinstance(m, BaseModule):
+                m.init_weights()
+
+    def _init_default(self, m: nn.Module) -> None:
+        """The backbone's default initialization of one layer (the authors')."""
+        raise NotImplementedError
 
     def _switch_to_deploy(self) -> None:
         """Fold every foldable structure (see :func:`mmslab.reparameterize`)."""

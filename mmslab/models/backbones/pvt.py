@@ -468,19 +468,14 @@ class ReparamPVT(ReparamBackboneMixin, BaseModule):
         self._apply_bn_stats_policy(mode)
         return self
 
-    def init_weights(self) -> None:
-        if self._load_pretrained():
-            return
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_init(m, std=.02, bias=0.)
-            elif isinstance(m, nn.LayerNorm):
-                constant_init(m, 1.0)
-            elif isinstance(m, nn.Conv2d):
-                fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels // m.groups
-                normal_init(m, 0, math.sqrt(2.0 / fan_out))
-            elif isinstance(m, (AbsolutePositionEmbedding, SLA)):
-                m.init_weights()
+    def _init_default(self, m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            trunc_normal_init(m, std=.02, bias=0.)
+        elif isinstance(m, nn.LayerNorm):
+            constant_init(m, 1.0)
+        elif isinstance(m, nn.Conv2d):
+            fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels // m.groups
+            normal_init(m, 0, math.sqrt(2.0 / fan_out))
 
     def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
         outs = []

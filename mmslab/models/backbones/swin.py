@@ -337,20 +337,11 @@ class ReparamSwinTransformer(ReparamBackboneMixin, BaseModule):
         return [getattr(self, f'norm{i}') for i in self.out_indices]
 
     # -- weights --------------------------------------------------------------------------
-    def init_weights(self) -> None:
-        if self._load_pretrained():
-            return
-        if self.init_cfg is not None:
-            super().init_weights()
-            return
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_init(m, std=.02, bias=0.)
-            elif isinstance(m, nn.LayerNorm):
-                constant_init(m, val=1.0, bias=0.)
-        for m in self.modules():
-            if hasattr(m, 'init_weights') and m is not self and not isinstance(m, BaseModule):
-                m.init_weights()
+    def _init_default(self, m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            trunc_normal_init(m, std=.02, bias=0.)
+        elif isinstance(m, nn.LayerNorm):
+            constant_init(m, val=1.0, bias=0.)
 
     # -- forward --------------------------------------------------------------------------
     def forward(self, x: Tensor) -> Tuple[Tensor, ...]:

@@ -4,7 +4,6 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from mmcv.cnn import build_activation_layer
 from mmcv.cnn.bricks.drop import DropPath
 from torch import Tensor
@@ -12,17 +11,7 @@ from torch import Tensor
 from mmslab.registry import register_model
 from .affine import fold_affine_into_next_linear
 from .reparameterizable import Reparameterizable
-from .token_bn import bn_affine, bn_scale_shift
-
-
-def _linear_after_bn(linear: nn.Linear, bn: nn.BatchNorm1d, x: Tensor) -> Tensor:
-    """``linear(bn(x))`` for ``[M, C]`` ``x``, with the BatchNorm's per-channel affine of this
-    call (batch statistics in training, :func:`bn_scale_shift`) folded into the weight and
-    bias: no pass over ``x`` for the BatchNorm's output, forward or backward."""
-    scale, shift = bn_scale_shift(bn, x)
-    bias = linear.weight @ shift if linear.bias is None else \
-        torch.addmv(linear.bias, linear.weight, shift)
-    return F.linear(x, linear.weight * scale, bias)
+from .token_bn import bn_affine
 
 
 class BlockFFN(nn.Module):
@@ -139,18 +128,15 @@ class ChannelIdleFFN(Reparameterizable, BlockFFN):
             if self.active:
                 out = out + self.fc2(self.act(self.fc1(x)))
             return out
-        c = self.embed_dims
-        h = _linear_after_bn(self.fc1, self.norm1, x.reshape(-1, c))
+        # the BatchNorm modules themselves: SyncBatchNorm conversion reaches them, and under
+        # autocast they normalize before the linears round their tokens
+        h = self.fc1(self.norm1(x.reshape(-1, self.embed_dims)))
         k = self.active
         if 0 < k < self.hidden:
             h = torch.cat([self.act(h[:, :k]), h[:, k:]], dim=1)
         elif k == self.hidden:
             h = self.act(h)
-        if self.drop.p == 0.0:
-            y = _linear_after_bn(self.fc2, self.norm2, h)
-        else:  # (dropout between BN2 and fc2: BN2 applied on its own)
-            y = self.fc2(self.drop(self.norm2(h)))
-        y = self.drop(y).view_as(x)
+        y = self.drop(self.fc2(self.drop(self.norm2(h)))).view_as(x)
         return x + self.drop_path(y)
 
     @torch.no_grad()

@@ -91,7 +91,10 @@ class SLA(Reparameterizable, WindowKernelBase):
         self.positional_encoding = nn.Parameter(torch.zeros(1, wh * ww, embed_dims))
 
     def init_weights(self) -> None:
+        """The positional encoding as the authors' (truncated normal), the DWC as PyTorch's
+        conv default (what the authors' Swin leaves it at), in any backbone."""
         trunc_normal_(self.positional_encoding, std=0.02)
+        self.dwc.reset_parameters()
 
     def _switch_to_deploy(self) -> None:
         pass  # structure-free (see the module docstring)

@@ -20,7 +20,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from mmslab.utils.bytes_cache import BytesCache
 from .builder import build_window_attention
+from .code_path import code_path
 from .shift_mask import shift_mask_by_type
 from .symbolic import Size, ceil_div, is_traced, select, size_max
 
@@ -131,6 +133,43 @@ def split_slots(t: Tensor, sizes: list) -> Tuple[Tensor, ...]:
     return tuple(t[:, a:a + n] for a, n in zip(starts, sizes))
 
 
+def check_shift_mask_use(kernel: nn.Module, shift: int) -> None:
+    """Refuse, at build time, a kernel for shifted windows that does not say what it does
+    with the shift mask (``uses_shift_mask``), that says it applies the mask on cropped
+    windows (which carry none), or that says it applies it and does not: its output on a
+    window of the corner kind, which the mask splits into four regions, must change with
+    the mask."""
+    name = type(kernel).__name__
+    if kernel.uses_shift_mask not in (True, False):
+        raise ValueError(
+            f'{name}.uses_shift_mask is {kernel.uses_shift_mask!r}; a kernel in shifted '
+            'windows must set it: True (attend() applies the shift mask it is given) or False '
+            "(it is given none: its windows attend across the cyclic shift's seams)")
+    if not kernel.uses_shift_mask:
+        return
+    if kernel.masks_padding:
+        raise ValueError(f'{name} sets masks_padding and uses_shift_mask: kernels that mask '
+                         'padding attend windows cropped to their valid tokens, which carry no '
+                         'shift mask; set uses_shift_mask = False or masks_padding = False')
+    wh, ww = kernel.window_size
+    mask = shift_mask_by_type(2 * wh, 2 * ww, wh, ww, shift)  # one window of each kind
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(4, wh * ww, kernel.qkv.out_features, generator=gen)
+    training = kernel.training
+    try:
+        kernel.eval()
+        with torch.no_grad():
+            masked, unmasked = (kernel.attend(qkv.to(kernel.qkv.weight), (wh, ww), shift_mask=m)
+                                for m in (mask, None))
+    finally:
+        kernel.train(training)
+    if torch.equal(masked[-1], unmasked[-1]):
+        raise ValueError(f'{name} sets uses_shift_mask = True but its attend() ignores the '
+                         'shift mask (its output on a corner window does not change with it); '
+                         'apply the mask, or set uses_shift_mask = False to attend across the '
+                         "cyclic shift's seams")
+
+
 class ShiftWindowAttention(nn.Module):
     """Window attention with optional cyclic shift, as mmdet's ``ShiftWindowMSA``.
 
@@ -144,6 +183,9 @@ class ShiftWindowAttention(nn.Module):
     #: Input values (tokens x channels) per chunk of cropped windows in eager CPU inference:
     #: ``qkv``, kernel and ``proj`` of a chunk stay in cache (docs/benchmarks.md).
     chunk_values = 12544 * 96
+    #: Bytes of window layouts (index maps) kept per module for the eager input sizes met
+    #: last: a layout costs index arithmetic, and on a GPU kernels, to rebuild.
+    layout_cache_bytes = 4 << 20
 
     def __init__(self, embed_dims: int, num_heads: int, window_size: int, shift: bool = False,
                  attn_type: str = 'window', qkv_bias: bool = True, qk_scale=None,
@@ -155,16 +197,18 @@ class ShiftWindowAttention(nn.Module):
             proj_drop=proj_drop, deploy=deploy)
         self.window_size = self.w_msa.window_size
         self.shift_size = window_size // 2 if shift else 0
-        self._layouts = {}  # per eager input size; bounded (see _layout)
+        if self.shift_size:
+            check_shift_mask_use(self.w_msa, self.shift_size)
+        self._layouts = BytesCache(self.layout_cache_bytes)  # per eager input size
 
     def _layout(self, h: Size, w: Size, device, cropped: bool = False) -> dict:
         """:func:`cropped_windows` or :func:`padded_windows` (+ shift mask) of an ``h x w``
-        map; eager runs keep them for up to 16 sizes."""
+        map; eager runs keep the latest within :attr:`layout_cache_bytes`."""
         eager = isinstance(h, int) and isinstance(w, int) and \
             not torch.compiler.is_compiling()
         key = (h, w, str(device), cropped)
         if eager and key in self._layouts:
-            return self._layouts[key]
+            return self._layouts.get(key)
         wh, ww = self.window_size
         s = self.shift_size
         if self.w_msa.masks_padding and s:  # a map within one window (not a full one)
@@ -181,8 +225,6 @@ class ShiftWindowAttention(nn.Module):
                 lay['pad_slots'] = valid.logical_not().nonzero().view(-1)
                 lay['gather_any'] = torch.where(valid, lay['gather'], 0)
         if eager:
-            if len(self._layouts) >= 16:
-                self._layouts.clear()
             self._layouts[key] = lay
         return lay
 
@@ -194,7 +236,7 @@ class ShiftWindowAttention(nn.Module):
             raise ValueError(f'input has {x.shape[1]} tokens, hw_shape {hw_shape} means {h * w}')
         kernel = self.w_msa
         # cropped windows where time is arithmetic (the module docstring)
-        cropped = kernel.masks_padding and x.device.type == 'cpu' and \
+        cropped = kernel.masks_padding and code_path(x) == 'cpu' and \
             not torch.compiler.is_compiling()
         lay = self._layout(h, w, x.device, cropped)
         if not cropped:

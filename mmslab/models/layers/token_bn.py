@@ -42,38 +42,6 @@ class TokenBN(FoldableNorm):
         return bn_affine(self.bn)
 
 
-def bn_scale_shift(bn: nn.modules.batchnorm._BatchNorm, x: Tensor) -> Tuple[Tensor, Tensor]:
-    """``(scale, shift)`` with ``bn(x) == x * scale + shift`` for ``[M, C]`` ``x``, as ``bn``
-    computes in its current mode: batch statistics in training mode (then the running
-    statistics are updated as ``nn.BatchNorm1d`` updates them), running ones in eval mode.
-
-    For a BatchNorm followed by a linear layer (RePa's channel-idle FFN): the affine folds
-    into the layer's weight and bias, so no pass over the tokens writes the BatchNorm's
-    output, forward or backward. The statistics are float32 (at least)."""
-    factor = 0.0 if bn.momentum is None else bn.momentum
-    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
-        bn.num_batches_tracked.add_(1)
-        if bn.momentum is None:  # cumulative average
-            factor = 1.0 / float(bn.num_batches_tracked)
-    batch_stats = bn.training or bn.running_mean is None
-    if batch_stats:
-        stats_x = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        var, mean = torch.var_mean(stats_x, dim=0, correction=0)
-        if bn.training and bn.track_running_stats:
-            count = x.shape[0]
-            with torch.no_grad():
-                bn.running_mean.lerp_(mean.detach().to(bn.running_mean), factor)
-                unbiased = var.detach() * (count / max(count - 1, 1))
-                bn.running_var.lerp_(unbiased.to(bn.running_var), factor)
-    else:
-        mean, var = bn.running_mean, bn.running_var
-    scale = torch.rsqrt(var + bn.eps)
-    if bn.weight is not None:
-        scale = bn.weight * scale
-    shift = -mean * scale if bn.bias is None else bn.bias - mean * scale
-    return scale, shift
-
-
 def bn_affine(bn: nn.modules.batchnorm._BatchNorm) -> Tuple[Tensor, Tensor]:
     """Eval-mode ``(scale, shift)`` of a BatchNorm, in float64."""
     inv_std = torch.rsqrt(bn.running_var.double() + bn.eps)

@@ -10,7 +10,6 @@ from mmengine.utils import to_2tuple
 from torch import Tensor
 
 from mmslab.registry import register_model
-from mmslab.utils.tensor_state import tensor_state
 from .affine import fold_affine_into_next_linear
 from .reparameterizable import Reparameterizable
 
@@ -28,7 +27,10 @@ class WindowKernelBase(nn.Module):
     """A window attention kernel: ``qkv`` and ``proj`` Linears around :meth:`attend`, which
     :class:`~mmslab.models.layers.shift_window.ShiftWindowAttention` calls on the windows.
 
-    Class attributes: ``uses_shift_mask`` (mask the cyclic shift's seams, as Swin),
+    Class attributes: ``uses_shift_mask``, which every kernel sets (a shifted block refuses
+    one that does not): True, :meth:`attend` applies the shift mask it is given (keeps apart
+    the tokens the cyclic shift brought together, as Swin); False, it is given none and its
+    windows attend across the shift's seams (SLA and BiNorm, as the SLAB authors' models).
     ``masks_padding`` (padded tokens take no part: their ``V`` is zero and ``valid`` marks
     them; otherwise they are zero normalized tokens, as in mmdet's Swin) and
     ``softmax_options`` (the constructor takes ``qk_scale`` and ``attn_drop``).
@@ -37,7 +39,7 @@ class WindowKernelBase(nn.Module):
     ``qkv``, which then no longer maps a zero token to it.
     """
 
-    uses_shift_mask = True
+    uses_shift_mask: Optional[bool] = None  # see the class docstring: each kernel says
     masks_padding = False
     softmax_options = False
 
@@ -106,6 +108,7 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
             Default: False.
     """
 
+    uses_shift_mask = True
     softmax_options = True
     needs_eval_mode = False  # the gathered bias is the same in both modes
 
@@ -124,7 +127,6 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
             self.relative_position_bias_table = nn.Parameter(
                 torch.zeros((2 * wh - 1) * (2 * ww - 1), num_heads))
             self.register_buffer('relative_position_index', relative_position_index((wh, ww)))
-        self._mask_cache = {}
 
     def init_weights(self) -> None:
         if not self.deploy:
@@ -143,36 +145,24 @@ class WindowMSA(Reparameterizable, WindowKernelBase):
         del self.relative_position_bias_table
         del self.relative_position_index
         self.register_buffer('relative_position_bias', bias)
-        self._mask_cache = {}
 
     def attention_bias(self, shift_mask, dtype: torch.dtype) -> Tensor:
-        """``[1 | nW, heads, N, N]``: the position bias (+ each window's shift mask)."""
+        """``[1 | nW, heads, N, N]``: the position bias (+ each window's shift mask, in one
+        gather of the bias of each window kind)."""
         bias = self.position_bias().to(dtype).unsqueeze(0)
-        if shift_mask is not None:
-            bias = bias + shift_mask.dense().to(dtype).unsqueeze(1)
-        return bias
+        if shift_mask is None:
+            return bias
+        return shift_mask.gather(bias + shift_mask.table.to(dtype).unsqueeze(1))
 
     def _attn_mask(self, shift_mask, bw: int, dtype: torch.dtype) -> Tensor:
-        """``[B*nW, heads, N, N]`` position bias (+ shift mask), contiguous (PyTorch's fused
-        CPU attention takes a broadcast mask on its slow path); in eager deploy mode a
-        constant, kept for up to 8 batch and map sizes while the bias is unchanged."""
-        key = None
-        if self.deploy and isinstance(bw, int) and not torch.compiler.is_compiling() and \
-                not torch.jit.is_tracing() and (shift_mask is None or shift_mask.key is not None):
-            key = (bw, None if shift_mask is None else shift_mask.key, dtype,
-                   tensor_state(self.relative_position_bias))
-            mask = self._mask_cache.get(key)
-            if mask is not None:
-                return mask
+        """``[B*nW, heads, N, N]`` additive mask, built per call and kept by no one (a mask
+        per input size grows with every size evaluated): unshifted a broadcast view of the
+        position bias, shifted each window's by kind in one gather, copied over the batch
+        only where it has more than one image."""
         bias = self.attention_bias(shift_mask, dtype)
         n = bias.shape[-1]
-        mask = bias.unsqueeze(0).expand(bw // bias.shape[0], -1, -1, -1, -1).reshape(
+        return bias.unsqueeze(0).expand(bw // bias.shape[0], -1, -1, -1, -1).reshape(
             bw, self.num_heads, n, n)
-        if key is not None:
-            if len(self._mask_cache) >= 8:
-                self._mask_cache.clear()
-            self._mask_cache[key] = mask = mask.contiguous()
-        return mask
 
     def attend(self, qkv: Tensor, window_hw: Tuple[int, int], shift_mask=None,
                valid: Optional[Tensor] = None, origin: Tuple[int, int] = (0, 0)) -> Tensor:
