@@ -408,16 +408,17 @@ def test_demo_upernet_settings():
 # missing data
 # ----------------------------------------------------------------------------------------------
 
-def make_layout(root, kind):
+def make_layout(root, kind, data_root=osp.join('data', 'coco')):
+    """Empty stand-ins of the folders and annotation files a ``kind`` config needs."""
     if kind == 'coco':
-        base = osp.join(root, 'data', 'coco')
+        base = osp.join(root, data_root)
         for split in ('train2017', 'val2017'):
             os.makedirs(osp.join(base, split), exist_ok=True)
         os.makedirs(osp.join(base, 'annotations'), exist_ok=True)
         for split in ('train2017', 'val2017'):
             open(osp.join(base, 'annotations', f'instances_{split}.json'), 'w').close()
     else:
-        base = osp.join(root, 'data', 'ade', 'ADEChallengeData2016')
+        base = osp.join(root, data_root)
         for sub in ('images', 'annotations'):
             for split in ('training', 'validation'):
                 os.makedirs(osp.join(base, sub, split), exist_ok=True)
@@ -434,8 +435,13 @@ def test_data_root_check(tmp_path, monkeypatch):
             msg = str(err.value)
             assert data_root in msg and osp.abspath(data_root) in msg, msg
             assert 'make_demo_data.py' in msg, msg
-    make_layout(str(tmp_path), 'coco')
-    make_layout(str(tmp_path), 'ade')
+            # The synthetic set is offered only for the demo configs' own root, never for the
+            # real datasets' data/coco and data/ade.
+            offers_demo = 'To create the synthetic demo data there' in msg
+            assert offers_demo == (path in DEMO_CONFIGS), msg
+    for data in ('data', osp.join('data', 'mmslab_demo')):
+        make_layout(str(tmp_path), 'coco', osp.join(data, 'coco'))
+        make_layout(str(tmp_path), 'ade', osp.join(data, 'ade', 'ADEChallengeData2016'))
     for path in CONFIGS:
         cfg = load(path)
         check_data_root(cfg, 'train')
@@ -457,5 +463,6 @@ def test_train_tool_reports_missing_data(tmp_path):
         cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=300)
     assert proc.returncode != 0
-    assert 'make_demo_data.py' in proc.stdout and 'data/coco' in proc.stdout, proc.stdout[-3000:]
+    assert 'make_demo_data.py' in proc.stdout, proc.stdout[-3000:]
+    assert 'data/mmslab_demo/coco' in proc.stdout, proc.stdout[-3000:]
     assert 'Traceback' not in proc.stdout, proc.stdout[-3000:]

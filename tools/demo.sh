@@ -11,7 +11,10 @@ cd "$REPO"
 PY="$REPO/.venv/bin/python"
 CONFIG="${DEMO_CONFIG:-configs/demo/mask_rcnn_slab_swin_t_demo.py}"
 WORK="${DEMO_WORK_DIR:-work_dirs/$(basename "$CONFIG" .py)}"
-"$PY" tools/make_demo_data.py --kind "${DEMO_KIND:-coco}"
+# The synthetic set goes to a root of its own, the one configs/demo/ read, apart from data/coco
+# and data/ade where real datasets live; the tool stops rather than write among files it did
+# not write.
+"$PY" "$REPO/tools/make_demo_data.py" --out data/mmslab_demo --kind "${DEMO_KIND:-coco}"
 START=$(date +%s)
 "$PY" tools/train.py "$CONFIG" --work-dir "$WORK" "$@"
 CKPT="$(cat "$WORK/last_checkpoint")"

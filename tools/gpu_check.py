@@ -54,8 +54,9 @@ REAL_CONFIGS = {
     'upernet': ('configs/upernet_swin_t_160k_ade20k.py',
                 ['configs/upernet_slab_swin_t_160k_ade20k.py']),
 }
-#: the synthetic sets' classes: those of the demo configs
-DEMO_CLASSES = {'det': 'configs/demo/mask_rcnn_slab_swin_t_demo.py',
+#: The demo config of each task: its synthetic set (root and classes) is what the real
+#: configs train on here.
+DEMO_CONFIGS = {'det': 'configs/demo/mask_rcnn_slab_swin_t_demo.py',
                 'seg': 'configs/demo/upernet_slab_swin_t_demo.py'}
 
 
@@ -150,13 +151,15 @@ def train_demo(args, n_gpus, py):
 def synthetic_config(config: str, iters: int, out_dir: str) -> str:
     """Write a config that trains ``config`` as it is (model, input size, optimizer, hooks)
     on the synthetic set of its task for ``iters`` iterations and validates once at the end:
-    random initial weights, the synthetic classes, a constant learning rate, and progressive
-    norms whose decay ends at ``2 * iters`` (mid-decay throughout, both statistics computed,
-    as for most of a real schedule). Returns its path."""
+    random initial weights, the synthetic set's root (that of the task's demo config, not the
+    real dataset's) and classes, a constant learning rate, and progressive norms whose decay
+    ends at ``2 * iters`` (mid-decay throughout, both statistics computed, as for most of a
+    real schedule). Returns its path."""
     from mmengine.config import Config
     cfg = Config.fromfile(osp.join(REPO, config))
     task = 'seg' if cfg.default_scope == 'mmseg' else 'det'
-    classes = tuple(Config.fromfile(osp.join(REPO, DEMO_CLASSES[task])).classes)
+    demo = Config.fromfile(osp.join(REPO, DEMO_CONFIGS[task]))
+    classes = tuple(demo.classes)
     backbone = dict(init_cfg=None)
     for key in ('norm_cfg', 'out_norm_cfg'):
         norm = cfg.model.backbone.get(key) or {}
@@ -170,7 +173,7 @@ def synthetic_config(config: str, iters: int, out_dir: str) -> str:
         model['roi_head'] = dict(bbox_head=dict(num_classes=n), mask_head=dict(num_classes=n))
     else:
         model['bbox_head'] = dict(num_classes=n)
-    data = dict(dataset=dict(metainfo=dict(classes=classes)))
+    data = dict(dataset=dict(data_root=demo.data_root, metainfo=dict(classes=classes)))
     lines = [f'_base_ = {osp.join(REPO, config)!r}',
              f'model = {model!r}',
              f'train_dataloader = {data!r}',
@@ -182,6 +185,9 @@ def synthetic_config(config: str, iters: int, out_dir: str) -> str:
              "default_hooks = dict(logger=dict(type='LoggerHook', interval=1), checkpoint=dict("
              f"type='CheckpointHook', by_epoch=False, interval={iters}, save_best=None))",
              "log_processor = dict(by_epoch=False)"]
+    ann_file = demo.val_evaluator.get('ann_file')
+    if ann_file:
+        lines += [f'val_evaluator = dict(ann_file={ann_file!r})', 'test_evaluator = val_evaluator']
     os.makedirs(out_dir, exist_ok=True)
     path = osp.join(out_dir, osp.splitext(osp.basename(config))[0] + '_synthetic.py')
     with open(path, 'w') as f:

@@ -22,7 +22,7 @@ from mmengine.runner import Runner
 import mmslab  # noqa: F401  (registers mmslab's components)
 import mmslab.engine  # noqa: F401  (weights-only checkpoint loading for mmengine)
 from mmslab.engine.optim_wrapper import AMP_DTYPES, AmpConfigError, amp_optim_wrapper_cfg
-from mmslab.utils import DataNotFoundError, check_data_root
+from mmslab.utils import DataCheckError, check_data_root, check_dataset_classes
 from mmslab.utils.launch import (add_launcher_args, export_local_rank, load_config,
                                  set_work_dir, setup_cpu_distributed,
                                  teardown_cpu_distributed)
@@ -91,9 +91,12 @@ def main(argv=None):
     args = parse_args(argv)
     # launcher first, so that --cfg-options may still override it
     cfg, _ = load_config(args.config, {'launcher': args.launcher, **(args.cfg_options or {})})
+    # Before the Runner: a missing dataset, or one without the config's classes, fails there
+    # only late and cryptically (mmengine's "need at least one array to concatenate").
     try:
         check_data_root(cfg, 'train', args.config)
-    except DataNotFoundError as err:
+        check_dataset_classes(cfg, 'train', args.config)
+    except DataCheckError as err:
         raise SystemExit(f'error: {err}')
     set_work_dir(cfg, args.work_dir, args.config)
 

@@ -1,6 +1,7 @@
 # CPU demo: SLAB-Swin-T Mask R-CNN trained from scratch on the synthetic COCO set
-# (`python tools/make_demo_data.py` -> data/coco/, 256x256 images), then validated with the
-# fused model (box + mask AP on val2017) and timed against the unfused one.
+# (`python tools/make_demo_data.py` -> data/mmslab_demo/coco/, 256x256 images), then
+# validated with the fused model (box + mask AP on val2017) and timed against the unfused one.
+# The demo root is not data/coco/, where the real COCO of the 1x configs lives.
 #   python tools/train.py configs/demo/mask_rcnn_slab_swin_t_demo.py
 # Cost on 2 CPU threads: a few seconds per iteration (RoIAlign dominates; hence
 # sampling_ratio=2 and fewer proposals/RoIs than COCO training).
@@ -53,7 +54,7 @@ model = dict(
         rcnn=dict(sampler=dict(num=128))),
     test_cfg=dict(rpn=dict(nms_pre=1000, max_per_img=300)))
 
-data_root = 'data/coco/'
+data_root = 'data/mmslab_demo/coco/'
 metainfo = dict(classes=classes)
 train_pipeline = [
     dict(type='LoadImageFromFile'),

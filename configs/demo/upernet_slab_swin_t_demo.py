@@ -1,6 +1,7 @@
 # CPU demo: SLAB-Swin-T UperNet trained from scratch on the synthetic ADE20K set
-# (`python tools/make_demo_data.py` -> data/ade/ADEChallengeData2016, 256x256 images), then
-# validated with the fused model (mIoU) and timed against the unfused one.
+# (`python tools/make_demo_data.py` -> data/mmslab_demo/ade/ADEChallengeData2016, 256x256
+# images), then validated with the fused model (mIoU) and timed against the unfused one. The
+# demo root is not data/ade/, where the real ADE20K of the 160k configs lives.
 #   python tools/train.py configs/demo/upernet_slab_swin_t_demo.py
 _base_ = '../upernet_slab_swin_t_160k_ade20k.py'
 
@@ -31,7 +32,7 @@ model = dict(
     decode_head=dict(channels=128, num_classes=num_classes),
     auxiliary_head=dict(channels=64, num_classes=num_classes))
 
-data_root = 'data/ade/ADEChallengeData2016'
+data_root = 'data/mmslab_demo/ade/ADEChallengeData2016'
 metainfo = dict(classes=classes)
 train_pipeline = [
     dict(type='LoadImageFromFile'),

@@ -21,21 +21,36 @@ ADE20K (``make_ade_demo``)
     ADE20K classes; only the values listed in ``ADE_DEMO_CLASSES`` are used. Load with
     ``reduce_zero_label=True`` (the default of mmseg's ``ADE20KDataset``), which maps value ``v``
     to train id ``v - 1`` and 0 to 255 (ignored).
+
+Both write only into a folder that is new, empty or holds an earlier output of the same
+generator (its ``demo_info.json`` marker and only the files it writes): real datasets often sit
+at the standard roots, or are symlinked there, and must never be mixed with or replaced by
+synthetic files. Anything else raises :class:`ForeignDataError` before a file is written.
 """
 import colorsys
 import json
 import os
 import os.path as osp
-from typing import Dict, List, Sequence, Tuple
+import re
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import cv2
 import numpy as np
 from PIL import Image, ImageDraw
 
+# Defined with the data checks (a layer below, which name it in their messages); re-exported.
+from mmslab.utils.config_checks import DEMO_DATA_ROOT
+
 __all__ = [
-    'COCO_DEMO_CLASSES', 'ADE_DEMO_CLASSES', 'make_coco_demo', 'make_ade_demo',
-    'coco_demo_complete', 'ade_demo_complete'
+    'COCO_DEMO_CLASSES', 'ADE_DEMO_CLASSES', 'DEMO_DATA_ROOT', 'ForeignDataError',
+    'make_coco_demo', 'make_ade_demo', 'coco_demo_complete', 'ade_demo_complete',
+    'foreign_entries', 'check_demo_target'
 ]
+
+
+class ForeignDataError(FileExistsError):
+    """A demo generator's target folder holds files the generator did not write."""
+
 
 # ----------------------------------------------------------------------------------------------
 # Class definitions
@@ -84,7 +99,29 @@ _SHAPES = ('circle', 'square', 'triangle', 'star', 'hexagon', 'cross')
 _MIN_SIZE, _MAX_SIZE = 0.08, 0.45
 _JPEG_QUALITY = 92
 _MARKER = 'demo_info.json'
+# Recorded in the marker so that a demo_info.json of some other origin is not taken for ours.
+_GENERATOR = 'mmslab.datasets.demo_data'
 _TRACE_SCALE = 4
+
+# Per kind: the folders a generator makes under its ``out_dir`` and the files it writes there
+# (paths relative to ``out_dir``, '/'-separated).
+_LAYOUT = {
+    'coco': (frozenset({'annotations', 'train2017', 'val2017'}),
+             re.compile(r'demo_info\.json|annotations/instances_(train|val)2017\.json|'
+                        r'train2017/demo_train_\d{6}\.jpg|val2017/demo_val_\d{6}\.jpg')),
+    'ade': (frozenset({'ADEChallengeData2016', 'ADEChallengeData2016/images',
+                       'ADEChallengeData2016/annotations'} |
+                      {f'ADEChallengeData2016/{sub}/{split}'
+                       for sub in ('images', 'annotations')
+                       for split in ('training', 'validation')}),
+            re.compile(r'demo_info\.json|'
+                       r'ADEChallengeData2016/images/training/demo_training_\d{6}\.jpg|'
+                       r'ADEChallengeData2016/images/validation/demo_validation_\d{6}\.jpg|'
+                       r'ADEChallengeData2016/annotations/training/demo_training_\d{6}\.png|'
+                       r'ADEChallengeData2016/annotations/validation/demo_validation_\d{6}\.png'
+                       )),
+}
+_KIND_NAMES = {'coco': 'COCO', 'ade': 'ADE20K'}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,6 +236,113 @@ def _remove_stale(directory: str, prefix: str, suffixes: Sequence[str]) -> None:
     for name in os.listdir(directory):
         if name.startswith(prefix) and name.endswith(tuple(suffixes)):
             os.remove(osp.join(directory, name))
+
+
+# ----------------------------------------------------------------------------------------------
+# Target folders: write only where nothing but our own output lives
+# ----------------------------------------------------------------------------------------------
+def _read_marker(out_dir: str) -> Optional[dict]:
+    """The generator's marker in ``out_dir`` as a dict, or None (absent, unreadable, foreign)."""
+    path = osp.join(out_dir, _MARKER)
+    if not osp.isfile(path) or osp.islink(path):
+        return None
+    try:
+        with open(path) as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict):
+        return None
+    # Markers from before the 'generator' entry carry the image counts instead.
+    if info.get('generator') != _GENERATOR and 'num_train_images' not in info:
+        return None
+    return info
+
+
+def foreign_entries(out_dir: str, kind: str, limit: int = 3) -> List[str]:
+    """Up to ``limit`` paths under ``out_dir`` that ``make_{kind}_demo`` did not write.
+
+    Without the generator's ``demo_info.json`` (of this ``kind``) every file is foreign; with
+    it, any file or folder outside the generator's layout is, and so is every symlink (the
+    generator makes none, and one may lead into a real dataset). A missing ``out_dir`` or one
+    holding only the generator's (empty) folders gives ``[]``; a file or a dangling link in
+    its place gives ``[out_dir]``. The walk stops at the ``limit``-th finding, so that a real
+    dataset's many files are not all listed.
+    """
+    if kind not in _LAYOUT:
+        raise ValueError(f'kind must be one of {tuple(_LAYOUT)}, got {kind!r}')
+    if not osp.lexists(out_dir):
+        return []
+    if not osp.isdir(out_dir):
+        return [out_dir]
+    dirs, files = _LAYOUT[kind]
+    info = _read_marker(out_dir)
+    ours = info is not None and info.get('kind') == kind
+    found: List[str] = []
+    pending = ['']
+    while pending and len(found) < limit:
+        rel = pending.pop()
+        with os.scandir(osp.join(out_dir, rel)) as entries:
+            for entry in sorted(entries, key=lambda e: e.name):
+                sub = f'{rel}/{entry.name}' if rel else entry.name
+                if entry.is_symlink():
+                    found.append(sub)
+                elif entry.is_dir():
+                    if sub in dirs:
+                        pending.append(sub)
+                    else:
+                        found.append(sub + '/')
+                elif not (ours and files.fullmatch(sub)):
+                    found.append(sub)
+                if len(found) >= limit:
+                    break
+    return [osp.join(out_dir, sub) for sub in found]
+
+
+def check_demo_target(out_dir: str, kind: str) -> None:
+    """Raise :class:`ForeignDataError` unless ``make_{kind}_demo`` may write into ``out_dir``.
+
+    Allowed: a new or empty folder, or one with the generator's marker of this ``kind`` and
+    nothing but the generator's files (an earlier demo set, complete or interrupted). The
+    message names the folder, what was found there and what to do.
+    """
+    found = foreign_entries(out_dir, kind)
+    if not found:
+        return
+    name = _KIND_NAMES[kind]
+    where = f'{out_dir} ({osp.abspath(out_dir)})'
+    if found == [out_dir]:
+        what = 'that path is a file or a dangling link, not a folder'
+    else:
+        info = _read_marker(out_dir)
+        shown = ', '.join(found) + (', ...' if len(found) >= 3 else '')
+        if info is None or info.get('kind') != kind:
+            what = (f'it is not empty ({shown}) and has no {_MARKER} of the {name} demo '
+                    'generator, so it holds data the generator did not write (a real dataset?)')
+        else:
+            what = (f'besides an earlier {name} demo set it holds files the generator does not '
+                    f'write: {shown}')
+    raise ForeignDataError(
+        f'refusing to write the synthetic {name} demo set into {where}: {what}. Nothing was '
+        'written. Files the generator did not write are never replaced or mixed with demo '
+        'files (--force of tools/make_demo_data.py only regenerates a demo set it wrote '
+        f'itself). Pick another output root (tools/make_demo_data.py --out ROOT; the demo '
+        f'configs read {DEMO_DATA_ROOT}), or move that folder away if it is yours to move.')
+
+
+def _start_output(out_dir: str, kind: str) -> str:
+    """Check ``out_dir``, create it and mark it as an unfinished demo set of ``kind``.
+
+    The marker is written before any sample, so that an interrupted run leaves a folder this
+    generator recognises as its own (and may overwrite), not an unmarked one it must refuse.
+    Returns the marker's path.
+    """
+    check_demo_target(out_dir, kind)
+    os.makedirs(out_dir, exist_ok=True)
+    marker = osp.join(out_dir, _MARKER)
+    with open(marker, 'w') as f:
+        json.dump(dict(kind=kind, generator=_GENERATOR, complete=False), f, indent=1)
+    return marker
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,16 +498,15 @@ def make_coco_demo(out_dir: str, num_train: int = 400, num_val: int = 50, img_si
     Layout: ``annotations/instances_{train,val}2017.json`` and ``{train,val}2017/*.jpg``
     (``img_size`` x ``img_size`` RGB, 2-6 shapes each, categories ``COCO_DEMO_CLASSES`` with ids
     1..N). Returns a summary dict (paths and counts), also saved as ``demo_info.json``.
+    Raises :class:`ForeignDataError` (before writing anything) if ``out_dir`` holds files this
+    generator did not write (see :func:`check_demo_target`).
     """
     if img_size < 32:
         raise ValueError('img_size must be at least 32')
     if num_train < 0 or num_val < 0:
         raise ValueError('image counts must be non-negative')
     out_dir = str(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    marker = osp.join(out_dir, _MARKER)
-    if osp.exists(marker):
-        os.remove(marker)  # incomplete until rewritten at the end
+    marker = _start_output(out_dir, 'coco')
     bar = _progress(num_train + num_val, progress)
     train_ann, n_train_inst = _write_coco_split(out_dir, 'train', 0, num_train, img_size, seed,
                                                 bar)
@@ -372,6 +515,8 @@ def make_coco_demo(out_dir: str, num_train: int = 400, num_val: int = 50, img_si
         print()
     summary = dict(
         kind='coco',
+        generator=_GENERATOR,
+        complete=True,
         root=out_dir,
         train_ann_file=train_ann,
         val_ann_file=val_ann,
@@ -394,7 +539,8 @@ def coco_demo_complete(out_dir: str) -> bool:
     try:
         with open(osp.join(out_dir, _MARKER)) as f:
             info = json.load(f)
-        if info.get('kind') != 'coco':
+        # A marker without 'complete' predates that entry and was written only when finished.
+        if info.get('kind') != 'coco' or not info.get('complete', True):
             return False
         for split in ('train', 'val'):
             with open(osp.join(out_dir, 'annotations', f'instances_{split}2017.json')) as f:
@@ -482,18 +628,17 @@ def make_ade_demo(out_dir: str, num_train: int = 200, num_val: int = 50, img_siz
     Layout: ``ADEChallengeData2016/images/{training,validation}/*.jpg`` and
     ``ADEChallengeData2016/annotations/{training,validation}/*.png`` (same stems; label values in
     ``ADE_DEMO_CLASSES`` plus 0 = unlabelled). Returns a summary dict, also saved as
-    ``demo_info.json`` in ``out_dir``.
+    ``demo_info.json`` in ``out_dir``. Raises :class:`ForeignDataError` (before writing
+    anything) if ``out_dir`` holds files this generator did not write.
     """
     if img_size < 32:
         raise ValueError('img_size must be at least 32')
     if num_train < 0 or num_val < 0:
         raise ValueError('image counts must be non-negative')
     out_dir = str(out_dir)
+    marker = _start_output(out_dir, 'ade')
     root = osp.join(out_dir, 'ADEChallengeData2016')
     os.makedirs(root, exist_ok=True)
-    marker = osp.join(out_dir, _MARKER)
-    if osp.exists(marker):
-        os.remove(marker)
     bar = _progress(num_train + num_val, progress)
     _write_ade_split(root, 'training', 0, num_train, img_size, seed, bar)
     _write_ade_split(root, 'validation', 1, num_val, img_size, seed, bar)
@@ -501,6 +646,8 @@ def make_ade_demo(out_dir: str, num_train: int = 200, num_val: int = 50, img_siz
         print()
     summary = dict(
         kind='ade',
+        generator=_GENERATOR,
+        complete=True,
         root=out_dir,
         data_root=root,
         train_img_dir=osp.join(root, 'images', 'training'),
@@ -522,7 +669,8 @@ def ade_demo_complete(out_dir: str) -> bool:
     try:
         with open(osp.join(out_dir, _MARKER)) as f:
             info = json.load(f)
-        if info.get('kind') != 'ade':
+        # A marker without 'complete' predates that entry and was written only when finished.
+        if info.get('kind') != 'ade' or not info.get('complete', True):
             return False
         root = osp.join(out_dir, 'ADEChallengeData2016')
         for split, key in (('training', 'num_train_images'), ('validation', 'num_val_images')):

@@ -1,4 +1,8 @@
 """Small helpers for mmslab's tools."""
-from .config_checks import DataNotFoundError, check_data_root, missing_data_paths
+from .config_checks import (DataCheckError, DataNotFoundError, DatasetClassesError,
+                            check_data_root, check_dataset_classes, missing_data_paths)
 
-__all__ = ['DataNotFoundError', 'check_data_root', 'missing_data_paths']
+__all__ = [
+    'DataCheckError', 'DataNotFoundError', 'DatasetClassesError', 'check_data_root',
+    'check_dataset_classes', 'missing_data_paths'
+]

@@ -1,6 +1,7 @@
 # ADE20K (SceneParsing 2016), 150 classes, 512x512 crops, as mmseg's ade20k.py. Label 0 of the
 # PNGs is "unlabelled": reduce_zero_label=True maps it to 255 (ignored) and v to v - 1.
-# Expected layout (or run `python tools/make_demo_data.py` for the synthetic demo set):
+# Expected layout of the real ADE20K (the synthetic set of `python tools/make_demo_data.py` goes
+# to data/mmslab_demo/ade/ instead, for configs/demo/):
 #   data/ade/ADEChallengeData2016/images/{training,validation}/*.jpg
 #   data/ade/ADEChallengeData2016/annotations/{training,validation}/*.png
 dataset_type = 'ADE20KDataset'

@@ -1,6 +1,5 @@
 # COCO 2017 object detection (boxes only), single-scale 1333x800, as mmdet's
-# coco_detection.py. Expected layout: see coco_instance.py (`python tools/make_demo_data.py` makes
-# the synthetic demo set there).
+# coco_detection.py. Expected layout of the real COCO: see coco_instance.py.
 dataset_type = 'CocoDataset'
 data_root = 'data/coco/'
 backend_args = None

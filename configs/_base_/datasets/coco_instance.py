@@ -1,6 +1,6 @@
 # COCO 2017 instance segmentation (boxes + masks): coco_detection.py with mask annotations and
-# the segm metric. Expected layout (or run `python tools/make_demo_data.py` for the synthetic
-# demo set in the same layout):
+# the segm metric. Expected layout of the real COCO (`python tools/make_demo_data.py` writes the
+# synthetic demo set of configs/demo/ in the same layout to data/mmslab_demo/coco/ instead):
 #   data/coco/annotations/instances_{train,val}2017.json
 #   data/coco/{train,val}2017/*.jpg
 _base_ = ['./coco_detection.py']
