@@ -10,13 +10,13 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint as cp
 from mmcv.cnn.bricks.drop import DropPath
 from mmengine.model import BaseModule
 from mmengine.model.weight_init import constant_init, trunc_normal_init
 from torch import Tensor
 
 from mmslab.registry import register_model
+from ..layers.activation_checkpoint import checkpoint_block
 from ..layers.affine import FoldableNorm
 from ..layers.builder import (build_norm, check_norm_cfg, get_ffn, get_window_attention,
                               is_foldable_norm, layer_class)
@@ -83,7 +83,7 @@ class SwinBlock(Reparameterizable, nn.Module):
 
     def forward(self, x: Tensor, hw_shape: Tuple[int, int]) -> Tensor:
         if self.with_cp and x.requires_grad and self.training:
-            return cp.checkpoint(self._forward, x, hw_shape, use_reentrant=False)
+            return checkpoint_block(self, self._forward, x, hw_shape)
         return self._forward(x, hw_shape)
 
     def _switch_to_deploy(self) -> None:
