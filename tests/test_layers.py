@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import mmslab  # noqa: F401  (registers everything)
+import mmslab
 from conftest import explicit_shifted_window_attention, rel_err
 from mmslab.engine.hooks import set_progressive_iter
 from mmslab.models.layers import (SLA, ChannelIdleFFN, PRepBN, RepBN,
@@ -825,3 +825,36 @@ def test_sla_in_chunks_under_bf16_autocast_is_within_bf16_rounding(monkeypatch):
     assert calls and out.dtype == torch.bfloat16
     ref = shifted_sla_reference(attn.double(), x[0].double(), (12, 20))
     assert rel_err(out[0].double(), ref) < 2e-2, rel_err(out[0].double(), ref)
+
+
+def test_fused_model_caches_stay_bounded_in_bytes_across_input_sizes(monkeypatch):
+    """Evaluation meets a new input size for almost every image: what a fused model keeps
+    between calls is bounded in bytes (per module) and does not grow with the batch."""
+    from mmslab.deploy.cuda_graph import _cached_tensors
+    from presets import build_preset
+    bound = 6 << 10
+    monkeypatch.setattr(ShiftWindowAttention, 'layout_cache_bytes', bound)
+    torch.manual_seed(0)
+    model = build_preset('SLABSwin')  # softmax and SLA windows
+    model.init_weights()
+    model = mmslab.reparameterize(model.eval())
+    attns = [m for m in model.modules() if isinstance(m, ShiftWindowAttention)]
+    sizes = [(48 + 8 * i, 72 - 4 * i) for i in range(6)]
+
+    def held():
+        """(bytes kept outside the window layouts, the layouts' bytes)"""
+        total = sum(t.numel() * t.element_size() for t in _cached_tensors(model))
+        layouts = sum(m._layouts.nbytes for m in attns)
+        return total - layouts, layouts
+
+    other = []
+    for batch in (1, 2):
+        for m in attns:
+            m._layouts.clear()
+        with torch.no_grad():
+            for size in sizes:
+                model(torch.randn(batch, 3, *size))
+                other.append(held()[0])
+                assert all(0 < m._layouts.nbytes <= bound for m in attns)
+    assert len(set(other)) == 1  # the rest depends on neither the size nor the batch
+    assert any(0 < len(m._layouts) < len(sizes) for m in attns)  # the bound evicted
