@@ -12,6 +12,7 @@ map"). Multi-process training:
 ``tools/dist_train.sh CONFIG NPROC [args]``; on a machine without CUDA the processes talk over gloo.
 """
 import argparse
+import os
 import logging
 
 from mmengine.config import Config, DictAction
@@ -95,7 +96,8 @@ def main(argv=None):
     # only late and cryptically (mmengine's "need at least one array to concatenate").
     try:
         check_data_root(cfg, 'train', args.config)
-        check_dataset_classes(cfg, 'train', args.config)
+        if os.environ.get('RANK', '0') == '0':  # one reading of the annotations per job
+            check_dataset_classes(cfg, 'train', args.config)
     except DataCheckError as err:
         raise SystemExit(f'error: {err}')
     set_work_dir(cfg, args.work_dir, args.config)
