@@ -12,8 +12,8 @@ map"). Multi-process training:
 ``tools/dist_train.sh CONFIG NPROC [args]``; on a machine without CUDA the processes talk over gloo.
 """
 import argparse
-import os
 import logging
+import os
 
 from mmengine.config import Config, DictAction
 from mmengine.logging import print_log
