@@ -467,6 +467,130 @@ def training_block(device_kind: str) -> str:
     return '\n\n'.join(parts)
 
 
+# -- benchmarks/gpu_kernels.py ----------------------------------------------------------------
+
+def kernel_runs() -> list:
+    """``(file, run)`` of every ``*-gpu_kernels.json`` run, in file order."""
+    out = []
+    for name in results_files('gpu_kernels'):
+        data = load(name)
+        out += [(data['file'], run) for run in data['runs']]
+    return out
+
+
+def fmt_times(count, reference) -> str:
+    """``count / reference`` as ``1.23``; empty where either is missing."""
+    return f'{count / reference:.2f}' if count is not None and reference else ''
+
+
+def _kernels(row, *keys):
+    for key in keys:
+        row = row.get(key) if isinstance(row, dict) else None
+    return row
+
+
+def gpu_kernel_tables(run: dict) -> list:
+    """The backbone, whole-model, extra-operator and host-sync tables of one run."""
+    rows, parts = run.get('backbones', {}), []
+    ctrl, mmdet = rows.get(run['reference']), rows.get(run['mmdet'])
+    batches = [str(b) for b in run['infer_batches']]
+    shape = 'x'.join(map(str, run['shape']))
+    if rows:
+        table = []
+        for name, row in rows.items():
+            cells = [model_label(name, '')]
+            for phase in ('mid', 'after'):
+                k = _kernels(row, 'train', phase, 'kernels')
+                cells += ['' if k is None else str(k), ' / '.join(
+                    fmt_times(k, _kernels(ref, 'train', phase, 'kernels')) or '-'
+                    for ref in (ctrl, mmdet))]
+            syncs = [_kernels(row, 'train', p, 'syncs') for p in ('mid', 'after')]
+            cells.append(' / '.join(str(v) for v in syncs) if None not in syncs else '')
+            for b in batches:
+                k = _kernels(row, 'infer', b, 'kernels')
+                cells += ['' if k is None else str(k),
+                          fmt_times(k, _kernels(ctrl, 'infer', b, 'kernels'))]
+            table.append(cells)
+        header = ['backbone', f"training step, mid-decay ({run['batch']}x{shape})",
+                  'x control / x mmdet', 'after decay', 'x control / x mmdet',
+                  'host syncs, mid / after']
+        for b in batches:
+            header += [f'fused inference, batch {b}', 'x control']
+        parts.append(f"GPU kernels of one backbone training step, batch {run['batch']} at "
+                     f"{shape}, {run['precision']} autocast, progressive norms mid-decay and "
+                     "after the decay, with its host syncs; and of the fused backbone's "
+                     "inference forward (float32). x: the row's count over the control's / "
+                     "mmdet Swin-T's (above 1: more kernels).")
+        parts.append(markdown_table(header, table))
+        if ctrl and 'train' in ctrl:
+            extra = []
+            for name, row in rows.items():
+                if name in (run['reference'], run['mmdet']) or 'train' not in row:
+                    continue
+                ops, base = row['train']['mid']['ops'], ctrl['train']['mid']['ops']
+                diff = {op: ops.get(op, 0) - base.get(op, 0) for op in set(ops) | set(base)}
+                top = sorted(((d, op) for op, d in diff.items() if d),
+                             key=lambda t: (-abs(t[0]), t[1]))[:6]
+                extra.append([model_label(name, ''), str(row['train']['mid']['kernels'] -
+                                                         ctrl['train']['mid']['kernels']),
+                              ', '.join(f'`{op}` {d:+d}' for d, op in top)])
+            parts.append(markdown_table(
+                ['backbone', 'kernels over the control, mid-decay',
+                 'where (operators, calls over the control\'s, largest first)'], extra))
+    models = run.get('models', {})
+    if models:
+        table, sites = [], []
+        for name, row in models.items():
+            ref = next(r for r in models.values()
+                       if r['family'] == row['family'] and r['control'])
+            reg, rreg = row['regions'], ref['regions']
+            table.append([
+                f'`{name}`', f"{row['batch']}x{'x'.join(map(str, row['padded_shape']))}",
+                str(row['kernels']), fmt_times(row['kernels'], ref['kernels']),
+                str(row['syncs']), str(_kernels(reg, 'backbone', 'kernels')),
+                fmt_times(_kernels(reg, 'backbone', 'kernels'),
+                          _kernels(rreg, 'backbone', 'kernels')),
+                str(_kernels(reg, 'backbone', 'syncs')),
+                str(_kernels(reg, 'neck', 'kernels') or ''),
+                str(_kernels(reg, 'heads', 'kernels')), str(_kernels(reg, 'heads', 'syncs')),
+                str(_kernels(reg, 'data_preprocessor', 'syncs'))])
+            if row['control']:
+                where = {}
+                for site, n in row.get('sync_sites', {}).items():
+                    key = re.sub(r':\d+ ', ' ', site)  # one row per function
+                    where[key] = where.get(key, 0) + n
+                sites.append([f'`{name}`', ', '.join(
+                    f'`{site}` {n}' for site, n in sorted(where.items(), key=lambda t: -t[1]))])
+        parts.append("A whole training iteration at the config's training input and batch "
+                     '(data preprocessor, losses with the network parts in bf16, backward; '
+                     "progressive norms mid-decay), per part; x: over the family's control's "
+                     "count. The heads' host syncs are mmdet's and mmseg's own, by function "
+                     'below.')
+        parts.append(markdown_table(
+            ['whole training iteration', 'input', 'kernels', 'x control', 'host syncs',
+             'backbone kernels', 'x control', 'backbone syncs', 'neck kernels',
+             'heads kernels', 'heads syncs', 'data preprocessor syncs'], table))
+        parts.append(markdown_table(['host syncs of a training iteration, by function',
+                                     'calls'], sites))
+    git = run.get('git', {})
+    changed = len(git.get('changed_files', []))
+    parts.append(provenance(run) + f"\nTree: commit `{(git.get('commit') or '?')[:10]}`"
+                 + (f' with {changed} changed files' if changed else '')
+                 + f", torch {run.get('torch', '?')}.")
+    return parts
+
+
+def block_gpu_kernels() -> str:
+    parts = []
+    for path, run in kernel_runs():
+        parts.append(f'`{path}`')
+        parts.extend(gpu_kernel_tables(run))
+    if not parts:
+        return ('No kernel counts are committed yet: `python benchmarks/gpu_kernels.py` '
+                'writes `benchmarks/results/<machine>-gpu_kernels.json`.')
+    return '\n\n'.join(parts)
+
+
 # -- demo accuracy ----------------------------------------------------------------------------
 
 def block_demo_accuracy() -> str:
@@ -497,6 +621,19 @@ def block_demo_accuracy() -> str:
 
 # -- the README's model table -----------------------------------------------------------------
 
+def kernel_note(kernels) -> str:
+    """The model table's note on its kernel column."""
+    if not kernels:
+        return ''
+    run = kernels[0][1]
+    return (f"GPU kernels: those one backbone training step (forward and backward, batch "
+            f"{run['batch']} at {'x'.join(map(str, run['shape']))}, bf16 autocast, progressive "
+            "norms mid-decay) launches on a GPU, counted on the CPU "
+            "(`benchmarks/gpu_kernels.py`, [GPU kernels per training step]"
+            "(docs/benchmarks.md#gpu-kernels-per-training-step)), and the count over the "
+            "control's. ")
+
+
 def block_model_table() -> str:
     size = sizes()
     cpu = load('amd-epyc-deploy_speed')['runs'][0]
@@ -507,6 +644,9 @@ def block_model_table() -> str:
                 if s['variant'].endswith('(fused)') and s['shape'] == [512, 512]
                 and s['precision'] == 'fp32'}
     demo = load('amd-epyc-int8_accuracy')['runs'][0]['results']
+    kernels = kernel_runs()
+    kernel_rows = kernels[0][1].get('backbones', {}) if kernels else {}
+    kernel_ctrl = _kernels(kernel_rows, CONTROL, 'train', 'mid', 'kernels')
     seg = load('intel-xeon-amx-int8_accuracy')['runs'][0]['results']
     rows = []
     for name, variant, _ in [(MMDET, None, None), ('LN Swin-T (control)', 'swin_t', None)] + \
@@ -535,16 +675,21 @@ def block_model_table() -> str:
                  if det else []) + ([f"UperNet {sem['mIoU']:.2f} mIoU"] if sem else []))
         configs = f'`{variant}`' if variant and glob.glob(
             osp.join(REPO, 'configs', f'*_{variant}_*.py')) else ''
-        rows.append([name, params, flops, cpu_ms, cpu_vs, gpu_ms, gpu_vs, acc, configs])
+        k = _kernels(kernel_rows, key, 'train', 'mid', 'kernels')
+        kernel_cell = f'{k} ({fmt_times(k, kernel_ctrl)})' if k is not None else ''
+        rows.append([name, params, flops, cpu_ms, cpu_vs, gpu_ms, gpu_vs, kernel_cell, acc,
+                     configs])
     header = ['backbone', 'params (M)', 'GFLOPs', 'CPU ms', 'CPU x mmdet / x control',
-              'GPU ms', 'GPU x mmdet / x control', 'demo accuracy', 'configs `V`']
+              'GPU ms', 'GPU x mmdet / x control',
+              'GPU kernels per training step (x control)', 'demo accuracy', 'configs `V`']
     notes = (
         f"Parameters and GFLOPs: backbone at 224x224, unfused -> fused (`tools/analyze_model.py`). "
         f"CPU: the backbone (mmslab's fused) at 512x512, batch 1, eager PyTorch fp32, median "
         f"ms on "
         f"{machine_text(cpu['machine'])}, {cpu['date']} (`benchmarks/deploy_speed.py`). "
         f"GPU: the same on {machine_text(gpu['machine']).split(' (')[0]}, {gpu['date']} "
-        f"(`tools/benchmark.py`). x = the reference's time over the row's. Demo accuracy: "
+        f"(`tools/benchmark.py`). x = the reference's time over the row's. "
+        f"{kernel_note(kernels)}Demo accuracy: "
         f"fused PyTorch on the synthetic demo sets (bbox / segm mAP, mIoU), not COCO or ADE20K. "
         f"Sources: `benchmarks/results/`.")
     return markdown_table(header, rows) + '\n\n' + notes
@@ -568,6 +713,7 @@ BLOCKS = {
     'gpu-batch': lambda: block_gpu_batch('nvidia-h100'),
     'training-speed': lambda: training_block('cpu'),
     'training-speed-gpu': lambda: training_block('cuda'),
+    'gpu-kernels': block_gpu_kernels,
 }
 
 

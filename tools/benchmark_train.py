@@ -91,9 +91,10 @@ def model_name(config: str) -> str:
     return osp.splitext(osp.basename(config))[0]
 
 
-def build(config: str, part: str):
-    """The config's backbone or whole model, random weights (no checkpoint is loaded)."""
-    cfg, scope = load_config(config)
+def build(config: str, part: str, cfg_options: dict = None):
+    """The config's backbone or whole model (``cfg_options`` merged into the config first),
+    random weights (no checkpoint is loaded)."""
+    cfg, scope = load_config(config, cfg_options)
     registry = model_registry(scope)
     model_cfg = cfg.model.backbone if part == 'backbone' else cfg.model
     model_cfg = Config(model_cfg.to_dict() if hasattr(model_cfg, 'to_dict') else model_cfg)

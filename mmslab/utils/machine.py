@@ -144,3 +144,15 @@ def machine_line(info: dict = None) -> str:
     if info.get('gpu'):
         return f"{gpu_line(info['gpu'])}; host {line}"
     return line
+
+
+def machine_slug(info: dict = None) -> str:
+    """The prefix of a results file ``benchmarks/results/<machine>-<tool>.json``: vendor and
+    product family of the GPU where the figures ran on one, else of the CPU (``+ '-amx'``
+    where it has AMX), lower case, words joined by ``-``."""
+    info = info or machine_info()
+    gpu = info.get('gpu')
+    name = gpu['name'] if gpu else info.get('cpu', 'unknown')
+    words = re.sub(r'\((R|TM|tm)\)|\b(CPU|Processor)\b|[^\w\s-]', ' ', name).split()
+    slug = '-'.join(w.lower() for w in words[:2]) or 'unknown'
+    return slug + ('-amx' if not gpu and info.get('isa') == 'amx' else '')
