@@ -136,8 +136,9 @@ def _bn_reference(norm_bn: nn.BatchNorm1d, x: torch.Tensor, channel_dim: int) ->
 @pytest.mark.parametrize('momentum', [0.1, None])
 def test_repbn_and_prepbn_equal_their_formulas(data_format, momentum):
     """RepBN ``BN(x) + alpha x`` and PRepBN ``g LN(x) + (1 - g) RepBN(x)`` (SLAB eq. 4-5)
-    equal the formulas written with ``nn.LayerNorm``
-    and ``nn.BatchNorm1d``: outputs, every gradient, the running statistics after three
+    equal the formulas written with ``nn.LayerNorm`` and ``nn.BatchNorm1d`` (their
+    gradients by autograd, against :class:`RepMix`'s): outputs, every gradient (also when it
+    arrives strided), the running statistics after three
     training steps (momentum or cumulative), and eval mode; also with a frozen BatchNorm
     (``bn_stats='frozen'``: eval-mode BN inside a training model)."""
     torch.manual_seed(0)
@@ -180,10 +181,12 @@ def test_repbn_and_prepbn_equal_their_formulas(data_format, momentum):
             if channel_dim == 1:
                 ref_prep = ref_prep.movedim(-1, 1)
             assert rel_err(y_rep, ref_rep) < 1e-5 and rel_err(y_prep, ref_prep) < 1e-5
-            (y_rep * grad).sum().backward()
-            (y_prep * grad).sum().backward()
-            (ref_rep * grad).sum().backward()
-            (ref_prep * grad).sum().backward()
+            def loss(y):  # step 1: the gradient reaches the norms as a strided view
+                if step != 1:
+                    return (y * grad).sum()
+                return (y.transpose(1, 2).contiguous() * grad.transpose(1, 2)).sum()
+            for y in (y_rep, y_prep, ref_rep, ref_prep):
+                loss(y).backward()
             assert rel_err(x.grad, x_ref.grad) < 1e-4  # (both norms summed, both sides)
             for ours, theirs in ((rep.bn, ref_bn), (prep.norm2.bn, ref_pbn)):
                 assert rel_err(ours.weight.grad, theirs.weight.grad) < 1e-4
@@ -244,7 +247,7 @@ def test_prepbn_schedule_follows_iterations_not_forward_calls_and_resumes():
 
 def test_prepbn_schedule_offset_keeps_finished_schedule_finished():
     norm = PRepBN(4, step=100, warmup=10)
-    norm.schedule_offset.fill_(1.0)
+    norm.load_state_dict(dict(norm.state_dict(), schedule_offset=torch.tensor(1.0)))
     norm.set_iter(0)
     assert norm.ratio == 0.0
     norm.reset_schedule()

@@ -119,16 +119,18 @@ class SLA(Reparameterizable, WindowKernelBase):
                valid: Optional[Tensor] = None, origin: Tuple[int, int] = (0, 0)) -> Tensor:
         """Eq. 9 of the SLAB paper per head (see
         :meth:`~mmslab.models.layers.window_attention.WindowKernelBase.attend`)."""
-        q, k, v = qkv.split(self.embed_dims, dim=-1) if isinstance(qkv, Tensor) else qkv
-        in_dtype = q.dtype
+        whole = isinstance(qkv, Tensor)
+        in_dtype = (qkv if whole else qkv[0]).dtype
+        dtype = sla_dtype(qkv if whole else qkv[0])
+        # a whole qkv is cast before the split: one kernel (and one in backward), not three
+        q, k, v = qkv.to(dtype).split(self.embed_dims, dim=-1) if whole else \
+            (t.to(dtype) for t in qkv)
         bw, n, c = q.shape
         h, d = self.num_heads, self.head_dims
-        dtype = sla_dtype(q)
         pos = self._positional_encoding(window_hw, origin)
         with torch.autocast(device_type=q.device.type, enabled=False):
-            q = F.relu(q.to(dtype))
-            k = F.relu(k.to(dtype) + pos.to(dtype))
-            v = v.to(dtype)
+            q = F.relu(q)
+            k = F.relu(k + pos.to(dtype))
             z = key_sum(k, valid)  # [B', 1, C]
             kv = _split_heads(k, h).transpose(-2, -1) @ _split_heads(v, h)  # [B', h, d, d]
             # numerator and normalizer from one product: q [S | z]

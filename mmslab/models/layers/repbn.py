@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from mmslab.registry import register_model
 from .affine import FoldableNorm
@@ -57,7 +58,7 @@ class RepBN(FoldableNorm):
         else:
             y = self.bn(x.flatten(2)).view_as(x)
         alpha = self.alpha if alpha_offset is None else self.alpha + alpha_offset
-        return torch.addcmul(y, x, alpha)  # y + alpha * x in one pass
+        return rep_mix(None, y, x, alpha, 0.0)
 
     def _fused_affine(self) -> Tuple[Tensor, Tensor]:
         scale, shift = bn_affine(self.bn)
@@ -125,6 +126,9 @@ class PRepBN(FoldableNorm):
         # Fraction of the LN -> RepBN decay already done before this run (e.g. in ImageNet
         # pre-training): 1.0 keeps a finished schedule finished when fine-tuning.
         self.register_buffer('schedule_offset', torch.tensor(0.0, dtype=torch.float64))
+        # The two buffers as Python numbers, read back only where the buffers are written
+        # from outside (load_state_dict): set_iter() then waits for no device.
+        self._iter, self._offset = 0, 0.0
         # Set by set_iter(); a training forward without it means nothing drives the schedule.
         self._schedule_driven = False
         # The schedule as set_iter() evaluated it (see _schedule): the branch taken, g, and g
@@ -135,7 +139,8 @@ class PRepBN(FoldableNorm):
         """Set the training iteration the schedule is evaluated at (called once per iteration)."""
         if self.deploy:
             return
-        self.cur_iter.fill_(int(cur_iter))
+        self._iter = int(cur_iter)
+        self.cur_iter.fill_(self._iter)
         self._schedule_driven = True
         self._evaluate_schedule()
 
@@ -163,21 +168,24 @@ class PRepBN(FoldableNorm):
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         super()._load_from_state_dict(*args, **kwargs)
-        self._evaluate_schedule()  # the loaded buffers' schedule
+        if not self.deploy:  # the loaded buffers' schedule
+            self._iter, self._offset = int(self.cur_iter), float(self.schedule_offset)
+            self._evaluate_schedule()
 
     def reset_schedule(self) -> None:
         """Start the schedule from scratch (g = r0 again) at the next set_iter()."""
         if not self.deploy:
+            self._offset = 0.0
             self.schedule_offset.fill_(0.0)
             self._evaluate_schedule()
 
     @property
     def ratio(self) -> float:
-        """The LayerNorm weight ``g`` at the current training iteration."""
+        """The LayerNorm weight ``g`` at the current training iteration (of the last
+        :meth:`set_iter` or loaded state dict: the buffers are not read back)."""
         if self.deploy:
             return 0.0
-        offset = float(self.schedule_offset)
-        t = int(self.cur_iter)
+        offset, t = self._offset, self._iter
         if offset <= 0.0:
             if t < self.warmup:
                 return 1.0
@@ -226,22 +234,71 @@ class PRepBN(FoldableNorm):
         return y.movedim(-1, 1) if channels_first else y
 
     def _mix(self, x: Tensor, g) -> Tensor:
-        """``g * LN(x) + (1 - g) * (BN(x) + alpha * x)`` with the weights ``g`` and
-        ``1 - g`` applied to O(C) parameters where they can be: the LayerNorm with ``g``
-        times its affine, then two accumulating passes, where the formula as written makes
-        seven passes over the tokens (and as many in backward)."""
+        """``g * LN(x) + (1 - g) * (BN(x) + alpha * x)``, each norm through its module, in
+        at least float32 (LayerNorm's dtype under autocast): one cast of ``x`` for both."""
         ln, rep = self.norm1, self.norm2
-        y = F.layer_norm(x, ln.normalized_shape, g * ln.weight, g * ln.bias, ln.eps)
+        x = x.to(torch.promote_types(x.dtype, torch.float32))
         bn = rep.bn(x.reshape(-1, self.num_features)).view_as(x)
-        h = 1.0 - g
-        y = torch.add(y, bn, alpha=h) if isinstance(h, float) else torch.addcmul(y, bn, h)
-        return torch.addcmul(y, x, h * rep.alpha)
+        return rep_mix(ln(x), bn, x, rep.alpha, g)
 
     def _fused_affine(self) -> Tuple[Tensor, Tensor]:
         return self.norm2._fused_affine()
 
     def extra_repr(self) -> str:
         return f'{self.num_features}, step={self.step}, r0={self.r0}, warmup={self.warmup}'
+
+
+def rep_mix(ln: Optional[Tensor], bn: Tensor, x: Tensor, alpha: Tensor, g) -> Tensor:
+    """``g * ln + (1 - g) * (bn + alpha * x)`` (``ln`` None: ``g = 0``, RepBN), the outputs of
+    the norms' own modules mixed (a SyncBatchNorm stays one). With gradients it runs as
+    :class:`RepMix`, whose backward is four products where autograd's of the same
+    expression launches about twice as many kernels."""
+    if torch.is_grad_enabled() and not isinstance(g, Tensor):
+        return RepMix.apply(ln, bn, x, alpha, float(g))
+    return _rep_mix(ln, bn, x, alpha, g)
+
+
+def _rep_mix(ln, bn, x, alpha, g) -> Tensor:
+    h = 1.0 - g
+    if ln is None:
+        y = bn
+    else:
+        dtype = torch.promote_types(ln.dtype, bn.dtype)  # lerp does not promote
+        y = torch.lerp(ln.to(dtype), bn.to(dtype), h)  # g * ln + h * bn
+    if isinstance(h, Tensor):  # a compiled mix (PRepBN._schedule)
+        return torch.addcmul(y, x, alpha * h)
+    return torch.addcmul(y, x, alpha, value=h)
+
+
+class RepMix(torch.autograd.Function):
+    """:func:`rep_mix` for a Python ``g``, with its gradients as four products: ``ln``'s
+    ``g * grad``, ``bn``'s ``h * grad``, ``x``'s ``alpha * h * grad`` and ``alpha``'s one
+    dot product (``h = 1 - g``; at ``g = 0`` ``bn`` takes ``grad`` itself)."""
+
+    @staticmethod
+    def forward(ctx, ln, bn, x, alpha, g: float):
+        ctx.save_for_backward(x, alpha)
+        ctx.g, ctx.has_ln = g, ln is not None
+        return _rep_mix(ln, bn, x, alpha, g)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, alpha = ctx.saved_tensors
+        need_ln, need_bn, need_x, need_alpha, _ = ctx.needs_input_grad
+        g = ctx.g
+        grad_ln = grad * g if ctx.has_ln and need_ln else None
+        # contiguous: BatchNorm's backward reads it as [N, C] (else a copy of its own)
+        if g == 0.0:
+            grad_bn = grad.contiguous()
+        else:
+            grad_bn = torch.mul(grad, 1.0 - g,
+                                out=torch.empty_like(grad, memory_format=torch.contiguous_format))
+        grad_x = grad_bn * alpha if need_x else None
+        grad_alpha = None
+        if need_alpha:
+            grad_alpha = torch.dot(grad_bn.reshape(-1), x.reshape(-1).to(grad_bn.dtype))
+        return grad_ln, grad_bn if need_bn else None, grad_x, grad_alpha, None
 
 
 def _zero_anchor(module: nn.Module) -> Optional[Tensor]:

@@ -253,16 +253,15 @@ class ShiftWindowAttention(nn.Module):
         kernel = self.w_msa
         b, c = x.shape[0], kernel.embed_dims
         n = self.window_size[0] * self.window_size[1]
-        pad = kernel.padded_qkv()
         if 'pad_slots' in lay:
             # eager: gather the C-channel tokens (a third of qkv's output), qkv per slot
             windows = kernel.qkv(x.index_select(1, lay['gather_any']))
             if lay['pad_slots'].numel():
-                windows[:, lay['pad_slots']] = pad.to(windows.dtype)
+                windows[:, lay['pad_slots']] = kernel.padded_qkv().to(windows.dtype)
         else:
             # graphs: qkv on the tokens, the padded row appended, one gather (index h*w)
             tokens = kernel.qkv(x)
-            row = pad.to(tokens.dtype).view(1, 1, -1).expand(b, 1, -1)
+            row = kernel.padded_qkv().to(tokens.dtype).view(1, 1, -1).expand(b, 1, -1)
             windows = torch.cat([tokens, row], dim=1).index_select(1, lay['gather'])
         out = kernel.attend(windows.view(-1, n, 3 * c), self.window_size,
                             shift_mask=lay.get('shift_mask'),
