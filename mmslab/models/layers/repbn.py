@@ -235,11 +235,12 @@ class PRepBN(FoldableNorm):
 
     def _mix(self, x: Tensor, g) -> Tensor:
         """``g * LN(x) + (1 - g) * (BN(x) + alpha * x)``, each norm through its module, in
-        at least float32 (LayerNorm's dtype under autocast): one cast of ``x`` for both."""
+        at least float32 (LayerNorm's dtype under autocast: one cast of ``x`` for both
+        norms), handed on in ``x``'s dtype."""
         ln, rep = self.norm1, self.norm2
-        x = x.to(torch.promote_types(x.dtype, torch.float32))
-        bn = rep.bn(x.reshape(-1, self.num_features)).view_as(x)
-        return rep_mix(ln(x), bn, x, rep.alpha, g)
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        bn = rep.bn(x32.reshape(-1, self.num_features)).view_as(x32)
+        return rep_mix(ln(x32), bn, x32, rep.alpha, g).to(x.dtype)
 
     def _fused_affine(self) -> Tuple[Tensor, Tensor]:
         return self.norm2._fused_affine()
