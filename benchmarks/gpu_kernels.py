@@ -56,9 +56,11 @@ import torch
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, osp.join(REPO, 'tools'))
+sys.path.insert(0, osp.join(REPO, 'benchmarks'))
 
 import mmslab  # noqa: E402
 from benchmark_train import build, mmdet_swin, synthetic_batch  # noqa: E402
+from make_tables import fmt_times, nested  # noqa: E402
 from mmslab.benchmark import fused_copy, parse_shape  # noqa: E402
 from mmslab.utils.kernel_count import (RULE, KernelCounter, ModuleRegions,  # noqa: E402
                                        mmcv_ext_calls)
@@ -319,13 +321,7 @@ def git_state() -> dict:
 
 
 def ratio(a, b) -> str:
-    return f'{a / b:.2f}' if a is not None and b else '-'
-
-
-def lookup(row, *keys):
-    for key in keys:
-        row = row.get(key) if isinstance(row, dict) else None
-    return row
+    return fmt_times(a, b) or '-'
 
 
 def print_table(header, rows) -> None:
@@ -356,15 +352,15 @@ def print_backbone_table(report: dict) -> None:
     for name, row in rows.items():
         cells = [name]
         for phase in PHASES:
-            k = lookup(row, 'train', phase, 'kernels')
+            k = nested(row, 'train', phase, 'kernels')
             cells += [k if k is not None else '-',
-                      ratio(k, lookup(ctrl, 'train', phase, 'kernels')),
-                      ratio(k, lookup(mmdet, 'train', phase, 'kernels'))]
-        syncs = [lookup(row, 'train', p, 'syncs') for p in PHASES]
+                      ratio(k, nested(ctrl, 'train', phase, 'kernels')),
+                      ratio(k, nested(mmdet, 'train', phase, 'kernels'))]
+        syncs = [nested(row, 'train', p, 'syncs') for p in PHASES]
         cells.append(max(syncs) if None not in syncs else '-')
         for b in batches:
-            k = lookup(row, 'infer', b, 'kernels')
-            cells += [k if k is not None else '-', ratio(k, lookup(ctrl, 'infer', b, 'kernels'))]
+            k = nested(row, 'infer', b, 'kernels')
+            cells += [k if k is not None else '-', ratio(k, nested(ctrl, 'infer', b, 'kernels'))]
         table.append(cells)
     print_table(['backbone', 'mid-decay', 'x ctrl', 'x mmdet', 'after', 'x ctrl', 'x mmdet',
                  'syncs'] + [c for b in batches for c in (f'infer b{b}', 'x ctrl')], table)
@@ -380,10 +376,10 @@ def print_model_table(models: dict) -> None:
         table.append([
             name, f"{row['batch']}x{'x'.join(map(str, row['padded_shape']))}", row['kernels'],
             ratio(row['kernels'], ref['kernels']), row['syncs'],
-            lookup(parts, 'backbone', 'kernels'),
-            ratio(lookup(parts, 'backbone', 'kernels'), lookup(ref_parts, 'backbone', 'kernels')),
-            lookup(parts, 'backbone', 'syncs'), lookup(parts, 'heads', 'kernels'),
-            lookup(parts, 'heads', 'syncs')])
+            nested(parts, 'backbone', 'kernels'),
+            ratio(nested(parts, 'backbone', 'kernels'), nested(ref_parts, 'backbone', 'kernels')),
+            nested(parts, 'backbone', 'syncs'), nested(parts, 'heads', 'kernels'),
+            nested(parts, 'heads', 'syncs')])
     print_table(['config', 'input', 'kernels', 'x ctrl', 'syncs', 'backbone', 'x ctrl', 'syncs',
                  'heads', 'syncs'], table)
 

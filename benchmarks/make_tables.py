@@ -483,7 +483,8 @@ def fmt_times(count, reference) -> str:
     return f'{count / reference:.2f}' if count is not None and reference else ''
 
 
-def _kernels(row, *keys):
+def nested(row, *keys):
+    """``row[k1][k2]...``; None where a level is missing."""
     for key in keys:
         row = row.get(key) if isinstance(row, dict) else None
     return row
@@ -500,16 +501,16 @@ def gpu_kernel_tables(run: dict) -> list:
         for name, row in rows.items():
             cells = [model_label(name, '')]
             for phase in ('mid', 'after'):
-                k = _kernels(row, 'train', phase, 'kernels')
+                k = nested(row, 'train', phase, 'kernels')
                 cells += ['' if k is None else str(k), ' / '.join(
-                    fmt_times(k, _kernels(ref, 'train', phase, 'kernels')) or '-'
+                    fmt_times(k, nested(ref, 'train', phase, 'kernels')) or '-'
                     for ref in (ctrl, mmdet))]
-            syncs = [_kernels(row, 'train', p, 'syncs') for p in ('mid', 'after')]
+            syncs = [nested(row, 'train', p, 'syncs') for p in ('mid', 'after')]
             cells.append(' / '.join(str(v) for v in syncs) if None not in syncs else '')
             for b in batches:
-                k = _kernels(row, 'infer', b, 'kernels')
+                k = nested(row, 'infer', b, 'kernels')
                 cells += ['' if k is None else str(k),
-                          fmt_times(k, _kernels(ctrl, 'infer', b, 'kernels'))]
+                          fmt_times(k, nested(ctrl, 'infer', b, 'kernels'))]
             table.append(cells)
         header = ['backbone', f"training step, mid-decay ({run['batch']}x{shape})",
                   'x control / x mmdet', 'after decay', 'x control / x mmdet',
@@ -547,13 +548,13 @@ def gpu_kernel_tables(run: dict) -> list:
             table.append([
                 f'`{name}`', f"{row['batch']}x{'x'.join(map(str, row['padded_shape']))}",
                 str(row['kernels']), fmt_times(row['kernels'], ref['kernels']),
-                str(row['syncs']), str(_kernels(reg, 'backbone', 'kernels')),
-                fmt_times(_kernels(reg, 'backbone', 'kernels'),
-                          _kernels(rreg, 'backbone', 'kernels')),
-                str(_kernels(reg, 'backbone', 'syncs')),
-                str(_kernels(reg, 'neck', 'kernels') or ''),
-                str(_kernels(reg, 'heads', 'kernels')), str(_kernels(reg, 'heads', 'syncs')),
-                str(_kernels(reg, 'data_preprocessor', 'syncs'))])
+                str(row['syncs']), str(nested(reg, 'backbone', 'kernels')),
+                fmt_times(nested(reg, 'backbone', 'kernels'),
+                          nested(rreg, 'backbone', 'kernels')),
+                str(nested(reg, 'backbone', 'syncs')),
+                str(nested(reg, 'neck', 'kernels') or ''),
+                str(nested(reg, 'heads', 'kernels')), str(nested(reg, 'heads', 'syncs')),
+                str(nested(reg, 'data_preprocessor', 'syncs'))])
             if row['control']:
                 where = {}
                 for site, n in row.get('sync_sites', {}).items():
@@ -646,7 +647,7 @@ def block_model_table() -> str:
     demo = load('amd-epyc-int8_accuracy')['runs'][0]['results']
     kernels = kernel_runs()
     kernel_rows = kernels[0][1].get('backbones', {}) if kernels else {}
-    kernel_ctrl = _kernels(kernel_rows, CONTROL, 'train', 'mid', 'kernels')
+    kernel_ctrl = nested(kernel_rows, CONTROL, 'train', 'mid', 'kernels')
     seg = load('intel-xeon-amx-int8_accuracy')['runs'][0]['results']
     rows = []
     for name, variant, _ in [(MMDET, None, None), ('LN Swin-T (control)', 'swin_t', None)] + \
@@ -675,7 +676,7 @@ def block_model_table() -> str:
                  if det else []) + ([f"UperNet {sem['mIoU']:.2f} mIoU"] if sem else []))
         configs = f'`{variant}`' if variant and glob.glob(
             osp.join(REPO, 'configs', f'*_{variant}_*.py')) else ''
-        k = _kernels(kernel_rows, key, 'train', 'mid', 'kernels')
+        k = nested(kernel_rows, key, 'train', 'mid', 'kernels')
         kernel_cell = f'{k} ({fmt_times(k, kernel_ctrl)})' if k is not None else ''
         rows.append([name, params, flops, cpu_ms, cpu_vs, gpu_ms, gpu_vs, kernel_cell, acc,
                      configs])

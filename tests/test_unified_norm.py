@@ -189,7 +189,7 @@ def test_outlier_threshold_is_one_unbiased_scalar(margin, fires):
         for t, row in enumerate(prev + [new]):
             un.set_iter(t)
             un(torch.tensor([row], dtype=F64))  # one token: s = row^2 exactly
-    assert un._iter_mode == (2, 'outlier' if fires else 'average')
+    assert un.iteration_mode == (2, 'outlier' if fires else 'average')
 
 
 def test_outlier_slots_are_passivated():
@@ -221,7 +221,7 @@ def _firing_rate(channels, iters=60, tokens=(2, 64), seed=0):
         for t in range(iters):
             un.set_iter(t)
             un(torch.randn(*tokens, channels, generator=gen) * scale)
-            fired += t >= 4 and un._iter_mode[1] == 'outlier'
+            fired += t >= 4 and un.iteration_mode[1] == 'outlier'
     return fired / (iters - 4), un
 
 
@@ -233,7 +233,7 @@ def test_outlier_filter_fires_rarely_on_stationary_data(channels):
     un.set_iter(1000)
     with torch.no_grad():
         un(40 * torch.randn(2, 64, channels))
-    assert un._iter_mode == (1000, 'outlier')
+    assert un.iteration_mode == (1000, 'outlier')
 
 
 def test_eval_output_is_running_affine():
@@ -336,7 +336,7 @@ def test_extra_forward_uses_same_gradient_scale():
     un.zero_grad()
     a, b = xs[9].clone().requires_grad_(), xs[9].clone().requires_grad_()
     ya, yb = un(a), un(b)
-    assert un._iter_mode == (9, 'average')
+    assert un.iteration_mode == (9, 'average')
     (ya * gs[9]).sum().backward()
     (yb * gs[9]).sum().backward()
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14)
@@ -371,7 +371,7 @@ def test_reset_iter_restarts_warmup():
     un.set_iter(4)
     assert int(un.num_filled) == M
     un(2 * x)
-    assert un._iter_mode == (4, 'average')
+    assert un.iteration_mode == (4, 'average')
 
 
 def test_training_without_set_iter_raises():
@@ -416,3 +416,25 @@ def test_registered():
     built = MMDET_MODELS.build(dict(type='UN', num_features=C, warmup_iters=10))
     assert isinstance(built, UN) and built.warmup_iters == 10
     assert copy.deepcopy(built).window.shape == (4, C)
+
+
+def test_gradient_average_is_over_the_recorded_statistics_only():
+    """Iterations without a backward fill the activation window, not the gradient one: once
+    the averages are active the gradient EMA takes the mean of the statistics recorded, not
+    of the whole window (a reset leaves none behind)."""
+    gen = torch.Generator().manual_seed(2)
+    un = _un(warmup_iters=0, grad_scale_clamp=None, outlier_filtration=False)
+    un.reset_iter()
+    for t in range(M):  # all but the last without a backward
+        un.set_iter(t)
+        x = torch.randn(6, C, generator=gen, dtype=F64, requires_grad=True)
+        y = un(x)
+        if t == M - 1:
+            y.pow(2).sum().backward()
+    assert int(un.grad_filled) == 1
+    un.set_iter(M)
+    est = un.grad_est.clone()
+    un(torch.randn(6, C, generator=gen, dtype=F64)).pow(2).sum().backward()
+    assert un.iteration_mode == (M, 'average') and int(un.grad_filled) == 2
+    recorded = un.grad_window[-2:].mean(dim=0)
+    torch.testing.assert_close(un.grad_est, MOM * est + (1 - MOM) * recorded)

@@ -68,10 +68,11 @@ from torch import Tensor
 from mmslab.registry import register_model
 from .affine import FoldableNorm, _broadcast
 
-# Per-iteration modes of the moving averages.
+# Per-iteration modes of the moving averages. Whether an averaging step is an outlier step
+# (current statistics, recorded slots passivated) is a 0-d bool tensor, the outlier test's
+# result, which the host never reads back: every choice it makes is a torch.where.
 _CURRENT = 'current'  # warm-up or window filling: current statistic, gradient EMA still used
 _AVERAGE = 'average'  # geometric-mean variance, EMA of the windowed gradient statistic
-_OUTLIER = 'outlier'  # outlier filtered: current statistics, recorded slots passivated
 
 
 class _UNNormalize(torch.autograd.Function):
@@ -85,15 +86,15 @@ class _UNNormalize(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, inv_std: Tensor, scale: Optional[Tensor],
-                module: 'UN', it: int, mode: str) -> Tensor:
-        ctx.save_for_backward(x, weight, inv_std, scale)
+                module: 'UN', it: int, mode: str, outlier: Optional[Tensor]) -> Tensor:
+        ctx.save_for_backward(x, weight, inv_std, scale, outlier)
         ctx.module, ctx.it, ctx.mode = module, it, mode
         fmt = module.data_format
         return x * _broadcast(inv_std * weight, x, fmt)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        x, weight, inv_std, scale = ctx.saved_tensors
+        x, weight, inv_std, scale, outlier = ctx.saved_tensors
         module = ctx.module
         fmt = module.data_format
         dims = module._stat_dims(x)
@@ -104,11 +105,11 @@ class _UNNormalize(torch.autograd.Function):
         grad_w = (grad_y * z).sum(dim=dims) if ctx.needs_input_grad[1] else None
         g = grad_y * _broadcast(weight, x, fmt)
         gz = (g * z).mean(dim=dims)
-        psi = module._gradient_statistic(gz, ctx.it, ctx.mode)
+        psi = module._gradient_statistic(gz, ctx.it, ctx.mode, outlier)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = (g - z * _broadcast(psi.to(z.dtype), x, fmt)) * inv
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 @register_model('UN')
@@ -194,7 +195,12 @@ class UN(FoldableNorm):
         self.grad_scale_clamp = None if grad_scale_clamp is None else float(grad_scale_clamp)
         self.grad_scale_start = int(grad_scale_start)
         self._iter_driven = False  # set by set_iter(); checked by training forwards
-        self._iter_mode: Optional[Tuple[int, str]] = None  # (iteration, mode) of the last push
+        # (iteration, mode, outlier test or None) of the last push
+        self._iter_mode: Optional[Tuple[int, str, Optional[Tensor]]] = None
+        # The counters that control flow alone moves, as Python numbers: a training step
+        # reads none of their buffers back (on a GPU each read waits for the device). The
+        # buffers are written alongside and read only by load_state_dict.
+        self._iter, self._last_iter, self._grad_iter, self._num_filled = 0, -1, -1, 0
         self._iter_running: Optional[Tensor] = None  # running_var before that push (for r)
         self._num_recal = 0  # batches averaged while momentum is None (recalibration)
         self._loss_scale = 1.0  # factor of this iteration's incoming gradients (fp16 AMP)
@@ -224,7 +230,8 @@ class UN(FoldableNorm):
         """Set the training iteration (0-based) used by the next training forwards."""
         if self.deploy:
             return
-        self.cur_iter.fill_(int(cur_iter))
+        self._iter = int(cur_iter)
+        self.cur_iter.fill_(self._iter)
         self._iter_driven = True
 
     def set_loss_scale(self, scale: float) -> None:
@@ -249,8 +256,28 @@ class UN(FoldableNorm):
         self.grad_iter.fill_(-1)
         self.num_filled.zero_()
         self.grad_filled.zero_()
+        self.grad_window.zero_()  # the slots past grad_filled, zero: their mean is a sum
+        self._iter, self._last_iter, self._grad_iter, self._num_filled = 0, -1, -1, 0
         self._iter_mode = None
         self._iter_running = None
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        if not self.deploy:
+            self._iter, self._last_iter = int(self.cur_iter), int(self.last_iter)
+            self._grad_iter, self._num_filled = int(self.grad_iter), int(self.num_filled)
+            unfilled = self.window_size - int(self.grad_filled)
+            if unfilled > 0:  # see reset_iter
+                self.grad_window[:unfilled].zero_()
+
+    @property
+    def iteration_mode(self) -> Optional[Tuple[int, str]]:
+        """``(iteration, 'current' | 'average' | 'outlier')`` of the last push (None before
+        one). For inspection: it reads the outlier test back, which waits for the device."""
+        if self._iter_mode is None:
+            return None
+        it, mode, outlier = self._iter_mode
+        return it, 'outlier' if outlier is not None and bool(outlier) else mode
 
     def reset_running_stats(self) -> None:
         """``running_var`` back to 1 (used by BN recalibration with ``momentum=None``)."""
@@ -276,67 +303,79 @@ class UN(FoldableNorm):
         return window.log().mean(dim=0).exp()
 
     @torch.no_grad()
-    def _push_statistic(self, s: Tensor, it: int) -> Tuple[Tensor, str]:
-        """First forward of iteration ``it``: record ``s``, update running_var, pick var."""
+    def _push_statistic(self, s: Tensor, it: int) -> Tuple[Tensor, str, Optional[Tensor]]:
+        """First forward of iteration ``it``: record ``s``, update running_var, pick var.
+        Returns ``(var, mode, outlier)``: the outlier test (a 0-d bool tensor) where the
+        averages are active and filter outliers, else None."""
         m = self.window_size
         # The averages start once the window held M statistics before this iteration.
-        active = int(self.num_filled) >= m and it >= self.warmup_iters
+        active = self._num_filled >= m and it >= self.warmup_iters
         threshold = None
         if active and self.outlier_filtration:
             # One scalar for the whole layer: M times the unbiased variance of sqrt(s) over all
             # M x C entries of the previous window (authors' code), read before s is recorded.
             threshold = m * self.window.to(s).sqrt().var()
         self.window.copy_(torch.cat([self.window[1:], s.to(self.window)[None]]))
-        self.num_filled.fill_(min(int(self.num_filled) + 1, m))
-        mode, var = _CURRENT, s
+        self._num_filled = min(self._num_filled + 1, m)
+        self.num_filled.fill_(self._num_filled)
+        mode, var, outlier = _CURRENT, s, None
+        old_running = self.running_var.clone()
         if active:
             win = self.window.to(s)
-            gm = self._geometric_mean(win)
-            mode, var = _AVERAGE, gm
-            if threshold is not None and bool((win.mean(dim=0) - gm > threshold).any()):
-                mode, var = _OUTLIER, s
-        old_running = self.running_var.clone()
-        if mode == _OUTLIER:
-            # Passivate the outlier in later windows: its slot takes the running estimate.
-            self.window[-1].copy_(old_running)
-        self.running_var.mul_(self.momentum).add_((1.0 - self.momentum) * var.to(old_running))
+            mode, var = _AVERAGE, self._geometric_mean(win)
+            if threshold is not None:
+                outlier = (win.mean(dim=0) - var > threshold).any()
+                var = torch.where(outlier, s, var)
+                # Passivate an outlier in later windows: its slot takes the running estimate.
+                self.window[-1].copy_(torch.where(outlier, old_running, self.window[-1]))
+        self.running_var.lerp_(var.to(old_running), 1.0 - self.momentum)
+        self._last_iter = it
         self.last_iter.fill_(it)
-        self._iter_mode = (it, mode)
+        self._iter_mode = (it, mode, outlier)
         self._iter_running = old_running
-        return var, mode
+        return var, mode, outlier
 
     @torch.no_grad()
-    def _gradient_statistic(self, gz: Tensor, it: int, mode: str) -> Tensor:
+    def _gradient_statistic(self, gz: Tensor, it: int, mode: str,
+                            outlier: Optional[Tensor]) -> Tensor:
         """Return the gradient statistic used by the backward of iteration ``it``.
 
         ``gz`` carries the loss scale (:meth:`set_loss_scale`); the windows and the EMA hold
         unscaled values and the returned estimate is scaled back. A non-finite ``gz`` (an
         fp16 overflow, whose step the ``GradScaler`` skips) is returned as is and recorded
-        nowhere: one overflow would otherwise turn the EMA, and every later backward, NaN.
+        nowhere (one overflow would otherwise turn the EMA, and every later backward, NaN;
+        ``grad_iter`` keeps its value too); later backwards of that iteration use the
+        estimate.
         """
         scale, raw = self._loss_scale, gz  # an outlier step's backward uses its own, raw gz
-        if int(self.grad_iter) == it:
+        if self._grad_iter == it:
             # Another backward in the same iteration: reuse this iteration's estimate.
-            return gz if mode == _OUTLIER else self._scaled(self.grad_est.to(gz))
-        if not bool(torch.isfinite(gz).all()):
-            return gz
+            est = self._scaled(self.grad_est.to(gz))
+            return est if outlier is None else torch.where(outlier, gz, est)
+        self._grad_iter = it
+        finite = torch.isfinite(gz).all()
+        self.grad_iter.masked_fill_(finite, it)
         if scale != 1.0:
             gz = gz / scale
-        m = self.window_size
-        old_est = self.grad_est.clone()
-        self.grad_window.copy_(torch.cat([self.grad_window[1:], gz.to(self.grad_window)[None]]))
-        self.grad_filled.fill_(min(int(self.grad_filled) + 1, m))
-        self.grad_iter.fill_(it)
-        if mode == _OUTLIER:
+        pushed = torch.cat([self.grad_window[1:], gz.to(self.grad_window)[None]])
+        if outlier is not None:
             # The slot records the estimate from before this step; the EMA still takes gz.
-            self.grad_window[-1].copy_(old_est)
+            pushed[-1] = torch.where(outlier, self.grad_est, pushed[-1])
+        self.grad_window.copy_(torch.where(finite, pushed, self.grad_window))
+        self.grad_filled.add_(finite).clamp_(max=self.window_size)
+        fed = gz.to(self.grad_est)
         if mode == _AVERAGE:
-            fed = self.grad_window[-int(self.grad_filled):].mean(dim=0)
-        else:
-            fed = gz.to(self.grad_est)
-        self.grad_est.mul_(self.momentum).add_((1.0 - self.momentum) * fed)
+            # The mean of the filled slots: the newest, the others zero (see reset_iter).
+            mean = self.grad_window.sum(dim=0) / self.grad_filled.clamp(min=1)
+            fed = mean if outlier is None else torch.where(outlier, fed, mean)
+        # momentum: the weight of the old value
+        self.grad_est.copy_(torch.where(finite, self.grad_est.lerp(fed, 1.0 - self.momentum),
+                                        self.grad_est))
         # The EMA is used outside outlier steps, warm-up included; an outlier uses its own gz.
-        return raw if mode == _OUTLIER else self._scaled(self.grad_est.to(gz))
+        out = self._scaled(self.grad_est.to(raw))
+        if outlier is not None:
+            out = torch.where(outlier, raw, out)
+        return torch.where(finite, out, raw)
 
     def _scaled(self, t: Tensor) -> Tensor:
         return t * self._loss_scale if self._loss_scale != 1.0 else t
@@ -371,19 +410,22 @@ class UN(FoldableNorm):
                 'UN is training but nothing sets its training iteration. Add '
                 "custom_hooks=[dict(type='ProgressiveNormHook')] to the config, or call "
                 'mmslab.set_progressive_iter(model, it) before each training iteration.')
-        it = int(self.cur_iter)
-        if int(self.last_iter) != it:
-            var, mode = self._push_statistic(s, it)
+        it = self._iter
+        if self._last_iter != it:
+            var, mode, outlier = self._push_statistic(s, it)
         else:
             same = self._iter_mode is not None and self._iter_mode[0] == it
-            mode = self._iter_mode[1] if same else _CURRENT
+            mode, outlier = self._iter_mode[1:] if same else (_CURRENT, None)
             # Same smoothed variance as the iteration's first forward, or this call's own
             # statistic when the averages are off (warm-up or outlier iteration).
-            var = self._geometric_mean(self.window.to(s)) if mode == _AVERAGE else s
+            var = s
+            if mode == _AVERAGE:
+                var = self._geometric_mean(self.window.to(s))
+                if outlier is not None:
+                    var = torch.where(outlier, s, var)
         var = var.to(dtype)
         scale = None
-        if (self.grad_scale_clamp is not None and mode != _OUTLIER
-                and it >= self.grad_scale_first_iter):
+        if self.grad_scale_clamp is not None and it >= self.grad_scale_first_iter:
             # r compares with running_var from before this iteration's update.
             pushed = self._iter_mode is not None and self._iter_mode[0] == it \
                 and self._iter_running is not None
@@ -391,9 +433,11 @@ class UN(FoldableNorm):
             c = self.grad_scale_clamp
             scale = torch.sqrt(var + self.eps) / torch.sqrt(running.to(var) + self.eps)
             scale = scale.clamp(1.0 / c, c)
+            if outlier is not None:  # r = 1 on an outlier step
+                scale = scale.masked_fill(outlier, 1.0)
         # w * z with the estimated-gradient backward (weight gradient sum(dL/dy * r * z)).
         wz = _UNNormalize.apply(xs, self.weight.to(dtype), torch.rsqrt(var + self.eps), scale,
-                                self, it, mode)
+                                self, it, mode, outlier)
         return (wz + _broadcast(self.bias.to(dtype), wz, fmt)).to(x.dtype)
 
     def _fused_affine(self) -> Tuple[Tensor, Tensor]:
