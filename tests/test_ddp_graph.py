@@ -106,7 +106,8 @@ def test_idle_branch_gets_zero_gradient_and_active_branch_is_unchanged(cur_iter,
         assert int(norm.norm2.bn.num_batches_tracked) == 0
     else:
         torch.testing.assert_close(norm.norm2.bn.weight.grad, bn.weight.grad)
-        torch.testing.assert_close(norm.norm2.alpha.grad, alpha.grad)
+        # (alpha's gradient is one dot product: float32 sums in another order)
+        torch.testing.assert_close(norm.norm2.alpha.grad, alpha.grad, rtol=1e-5, atol=1e-6)
         idle = [norm.norm1.weight, norm.norm1.bias]
     for p in idle:
         assert p.grad is not None and torch.count_nonzero(p.grad) == 0

@@ -286,9 +286,7 @@ def fp16_wrapper():
     ('PRepBNSwin', fp16_wrapper),
     ('RePaSwin', fp16_wrapper),
     ('RePaSwin', SimpleNamespace),
-    pytest.param('UNSwin', fp16_wrapper, marks=pytest.mark.xfail(
-        strict=True, reason="UN takes the GradScaler's scale as a Python number: the hook "
-        'reads it back (get_scale)')),
+    ('UNSwin', fp16_wrapper),
 ])
 def test_train_iteration_hooks_make_no_host_sync(preset, wrapper):
     from mmengine.logging import MessageHub
@@ -305,7 +303,7 @@ def test_train_iteration_hooks_make_no_host_sync(preset, wrapper):
 
 
 def test_progressive_norm_hook_tells_un_the_loss_scale():
-    """The hook reads the scale only where a UN takes it, and gives it to every UN."""
+    """The hook gives the scaler's scale to every UN, as the tensor the scaler updates."""
     from mmengine.logging import MessageHub
 
     from mmslab.engine.hooks import ProgressiveNormHook
@@ -316,4 +314,6 @@ def test_progressive_norm_hook_tells_un_the_loss_scale():
                              message_hub=MessageHub.get_instance('test_gpu_kernels'))
     ProgressiveNormHook().before_train_iter(runner, 0)
     uns = [m for m in model.modules() if isinstance(m, UN)]
-    assert uns and {m._loss_scale for m in uns} == {float(wrapper.loss_scaler.get_scale())}
+    assert uns and {float(m._loss_scale) for m in uns} == {wrapper.loss_scaler.get_scale()}
+    wrapper.loss_scaler.update(2.0)  # in place, after this iteration's step
+    assert {float(m._loss_scale) for m in uns} == {2.0}  # the scaler's tensor, not a copy

@@ -1,6 +1,7 @@
 """Drives iteration-based normalization schedules (PRepBN's LN -> RepBN decay, UN's steps)."""
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
+import torch
 import torch.nn as nn
 from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
@@ -24,13 +25,16 @@ def set_progressive_iter(model: nn.Module, cur_iter: int) -> int:
     return count
 
 
-def optim_loss_scale(optim_wrapper) -> float:
+def optim_loss_scale(optim_wrapper) -> Union[float, torch.Tensor]:
     """The factor this iteration's gradients carry: the ``GradScaler`` scale of an fp16
-    ``AmpOptimWrapper`` (read before the step updates it), 1 for any other wrapper."""
+    ``AmpOptimWrapper``, 1 for any other wrapper. The scale is the 0-d tensor the scaler
+    keeps on the device (``_get_scale_async``, which its ``get_scale`` reads back: a host
+    sync), updated in place after the step; a number before the first scaled loss."""
     scaler = getattr(optim_wrapper, 'loss_scaler', None)
     if scaler is None or not getattr(scaler, 'is_enabled', lambda: True)():
         return 1.0
-    return float(scaler.get_scale())
+    scale = getattr(scaler, '_get_scale_async', lambda: None)()
+    return float(scaler.get_scale()) if scale is None else scale
 
 
 def loss_scale_takers(model: nn.Module) -> List[nn.Module]:
@@ -87,8 +91,7 @@ class ProgressiveNormHook(Hook):
 
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
         set_progressive_iter(runner.model, runner.iter)
-        # fp16 AMP scales the gradients; UN keeps its gradient statistics unscaled. Reading
-        # the scale waits for the device: only for a model that takes it.
+        # fp16 AMP scales the gradients; UN keeps its gradient statistics unscaled
         takers = loss_scale_takers(runner.model)
         if takers:
             scale = optim_loss_scale(runner.optim_wrapper)

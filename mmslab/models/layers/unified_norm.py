@@ -234,11 +234,15 @@ class UN(FoldableNorm):
         self.cur_iter.fill_(self._iter)
         self._iter_driven = True
 
-    def set_loss_scale(self, scale: float) -> None:
+    def set_loss_scale(self, scale) -> None:
         """The factor that scales this iteration's incoming gradients (fp16 mixed precision:
-        the ``GradScaler``'s scale; 1 otherwise). Set before each iteration by
+        the ``GradScaler``'s scale, a number or the 0-d tensor it keeps on the device, which
+        the host then never reads back; 1 otherwise). Set before each iteration by
         ``ProgressiveNormHook``. The gradient statistics are kept unscaled, so a loss scale
         that changes between iterations does not bias their moving averages."""
+        if isinstance(scale, Tensor):
+            self._loss_scale = scale.detach()
+            return
         if not scale > 0 or not math.isfinite(scale):
             raise ValueError(f'UN loss scale must be a positive finite number, got {scale!r}')
         self._loss_scale = float(scale)
@@ -355,7 +359,7 @@ class UN(FoldableNorm):
         self._grad_iter = it
         finite = torch.isfinite(gz).all()
         self.grad_iter.masked_fill_(finite, it)
-        if scale != 1.0:
+        if isinstance(scale, Tensor) or scale != 1.0:
             gz = gz / scale
         pushed = torch.cat([self.grad_window[1:], gz.to(self.grad_window)[None]])
         if outlier is not None:
@@ -378,7 +382,8 @@ class UN(FoldableNorm):
         return torch.where(finite, out, raw)
 
     def _scaled(self, t: Tensor) -> Tensor:
-        return t * self._loss_scale if self._loss_scale != 1.0 else t
+        scale = self._loss_scale
+        return t * scale if isinstance(scale, Tensor) or scale != 1.0 else t
 
     # ------------------------------------------------------------------ forward
     def forward_train(self, x: Tensor) -> Tensor:
