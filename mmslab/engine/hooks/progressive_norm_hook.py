@@ -1,5 +1,5 @@
 """Drives iteration-based normalization schedules (PRepBN's LN -> RepBN decay, UN's steps)."""
-from typing import List, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -37,20 +37,17 @@ def optim_loss_scale(optim_wrapper) -> Union[float, torch.Tensor]:
     return float(scaler.get_scale()) if scale is None else scale
 
 
-def loss_scale_takers(model: nn.Module) -> List[nn.Module]:
-    """The modules with a ``set_loss_scale`` method (UN)."""
-    if is_model_wrapper(model):
-        model = model.module
-    return [m for m in model.modules() if callable(getattr(m, 'set_loss_scale', None))]
-
-
-def set_loss_scale(model: nn.Module, scale: float) -> int:
+def set_loss_scale(model: nn.Module, scale) -> int:
     """Tell every module with a ``set_loss_scale`` method (UN) the loss scale of the coming
     backward; returns the number of modules set."""
-    takers = loss_scale_takers(model)
-    for m in takers:
-        m.set_loss_scale(scale)
-    return len(takers)
+    if is_model_wrapper(model):
+        model = model.module
+    count = 0
+    for m in model.modules():
+        if callable(getattr(m, 'set_loss_scale', None)):
+            m.set_loss_scale(scale)
+            count += 1
+    return count
 
 
 def progressive_ratio(model: nn.Module) -> Optional[Tuple[float, float]]:
@@ -92,11 +89,7 @@ class ProgressiveNormHook(Hook):
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
         set_progressive_iter(runner.model, runner.iter)
         # fp16 AMP scales the gradients; UN keeps its gradient statistics unscaled
-        takers = loss_scale_takers(runner.model)
-        if takers:
-            scale = optim_loss_scale(runner.optim_wrapper)
-            for m in takers:
-                m.set_loss_scale(scale)
+        set_loss_scale(runner.model, optim_loss_scale(runner.optim_wrapper))
         if self.log_ratio:
             g = progressive_ratio(runner.model)
             if g is not None:
