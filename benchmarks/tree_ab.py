@@ -40,8 +40,8 @@ MMDET_SWIN_T = dict(type='SwinTransformer', embed_dims=96, depths=(2, 2, 6, 2),
 VARIANTS = ('ort_fp32', 'ort_int8', 'ov_fp32', 'ov_bf16', 'ov_int8')
 
 
-def worker(tree: str, config: str, mode: str, part: str, precision: str,
-           threads: int) -> None:
+def worker(tree: str, config: str, mode: str, part: str, precision: str, threads: int,
+           variants=VARIANTS) -> None:
     """Build, print 'ready', then time one call per stdin line ('VARIANT HxW')."""
     sys.path.insert(0, tree)
     import numpy as np
@@ -90,15 +90,16 @@ def worker(tree: str, config: str, mode: str, part: str, precision: str,
         calib = [np.random.RandomState(i).randn(1, 3, 512, 512).astype(np.float32)
                  for i in range(2)]
         xml = f'{out}/openvino/model.xml'
-        runs = dict(
-            ort_fp32=open_model(f'{out}/model.onnx', 'onnxruntime', 'fp32', threads),
-            ort_int8=open_model(quantize_onnxruntime(f'{out}/model.onnx',
-                                                     f'{out}/int8.onnx', calib),
-                                'onnxruntime', 'int8', threads),
-            ov_fp32=open_model(xml, 'openvino', 'fp32', threads),
-            ov_bf16=open_model(xml, 'openvino', 'bf16', threads),
-            ov_int8=open_model(quantize_openvino(xml, f'{out}/openvino/int8.xml', calib),
-                               'openvino', 'int8', threads))
+        # only the variants asked for (bf16 needs a bf16 CPU), opened before 'ready'
+        openers = dict(
+            ort_fp32=lambda: open_model(f'{out}/model.onnx', 'onnxruntime', 'fp32', threads),
+            ort_int8=lambda: open_model(quantize_onnxruntime(
+                f'{out}/model.onnx', f'{out}/int8.onnx', calib), 'onnxruntime', 'int8', threads),
+            ov_fp32=lambda: open_model(xml, 'openvino', 'fp32', threads),
+            ov_bf16=lambda: open_model(xml, 'openvino', 'bf16', threads),
+            ov_int8=lambda: open_model(quantize_openvino(
+                xml, f'{out}/openvino/int8.xml', calib), 'openvino', 'int8', threads))
+        runs = {v: openers[v]() for v in variants}
 
         def call(variant, shape):
             runs[variant](image(shape))
@@ -158,7 +159,8 @@ def main() -> None:
         p.error('--mode train times backbones (tools/benchmark_train.py --part model: whole '
                 'models)')
     if args.worker:
-        return worker(*args.worker, args.mode, args.part, args.precision, args.threads)
+        return worker(*args.worker, args.mode, args.part, args.precision, args.threads,
+                      args.variants)
     variants = args.variants if args.mode == 'runtime' else [args.precision]
     workers = {}
     for name in args.models:
@@ -166,7 +168,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, args.old, args.new, '--mode', args.mode,
                    '--part', args.part,
                    '--precision', args.precision, '--threads', str(args.threads),
-                   '--worker', getattr(args, tree), CONFIGS[name]]
+                   '--variants', *args.variants, '--worker', getattr(args, tree), CONFIGS[name]]
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     text=True, cwd=tempfile.gettempdir())
             while proc.stdout.readline().strip() != 'ready':  # (tools print progress)

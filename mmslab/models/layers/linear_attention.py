@@ -2,7 +2,9 @@
 
 Both compute ``K^T V`` first (linear in the tokens per window) and exclude padded tokens
 exactly (``masks_padding``): a padded slot's ``V`` is zero, so it adds nothing to ``K^T V``
-or SLA's DWC; only SLA's normalizer needs the mask, and no padded slot's output is read.
+or SLA's DWC; only SLA's normalizer sees its key, which in a padded window is ``-inf``
+(:attr:`SLA.padded_key`: ``relu`` zeroes it) and in a cropped one is masked (``valid``); no
+padded slot's output is read.
 Neither has a structure to fuse (the block folds its norm into ``qkv``): their
 ``switch_to_deploy()`` is a no-op, kept so that every module taking ``deploy`` has it.
 """
@@ -21,14 +23,14 @@ from .window_attention import WindowKernelBase
 
 
 def key_sum(k: Tensor, valid: Optional[Tensor]) -> Tensor:
-    """``[B', N, C]`` keys -> ``[B', 1, C]``: their sum over the valid tokens (a padded key
-    is ``relu(0 + p)``). A masked sum, not a product with the mask: OpenVINO then keeps
-    ``K^T V`` of an INT8 graph in int8."""
+    """``[B', heads, N, d]`` keys -> ``[B', heads, 1, d]``: their sum over the valid tokens (a
+    padded key of a cropped window is ``relu(k + p)`` of a token's). A masked sum, not a
+    product with the mask: OpenVINO then keeps ``K^T V`` of an INT8 graph in int8."""
     if valid is None:
         return k.sum(dim=-2, keepdim=True)
-    nw, n, c = valid.shape[0], k.shape[-2], k.shape[-1]
-    keep = valid.to(k.dtype).view(nw, n, 1)
-    return (k.reshape(-1, nw, n, c) * keep).sum(dim=-2, keepdim=True).reshape(-1, 1, c)
+    nw, h, n, d = valid.shape[0], *k.shape[1:]
+    keep = valid.to(k.dtype).view(nw, 1, n, 1)
+    return (k.reshape(-1, nw, h, n, d) * keep).sum(dim=-2, keepdim=True).reshape(-1, h, 1, d)
 
 
 def sla_dtype(q: Tensor) -> torch.dtype:
@@ -75,6 +77,8 @@ class SLA(Reparameterizable, WindowKernelBase):
 
     uses_shift_mask = False
     masks_padding = True
+    #: ``relu(k + p)`` maps it to zero whatever ``p``: padded windows need no mask
+    padded_key = float('-inf')
     needs_eval_mode = False
     eps = 1e-6
 
@@ -119,28 +123,31 @@ class SLA(Reparameterizable, WindowKernelBase):
                valid: Optional[Tensor] = None, origin: Tuple[int, int] = (0, 0)) -> Tensor:
         """Eq. 9 of the SLAB paper per head (see
         :meth:`~mmslab.models.layers.window_attention.WindowKernelBase.attend`)."""
-        whole = isinstance(qkv, Tensor)
-        in_dtype = (qkv if whole else qkv[0]).dtype
-        dtype = sla_dtype(qkv if whole else qkv[0])
-        # a whole qkv is cast before the split: one kernel (and one in backward), not three
-        q, k, v = qkv.to(dtype).split(self.embed_dims, dim=-1) if whole else \
-            (t.to(dtype) for t in qkv)
-        bw, n, c = q.shape
         h, d = self.num_heads, self.head_dims
-        pos = self._positional_encoding(window_hw, origin)
+        if isinstance(qkv, Tensor):  # one copy into the heads' layout (in the sums' dtype)
+            in_dtype, dtype = qkv.dtype, sla_dtype(qkv)
+            bw, n = qkv.shape[:2]
+            q, k, v = _dense(qkv.view(bw, n, 3, h, d).permute(2, 0, 3, 1, 4), dtype).unbind(0)
+        else:
+            in_dtype, dtype = qkv[0].dtype, sla_dtype(qkv[0])
+            q, k, v = (_dense(_split_heads(t, h), dtype) for t in qkv)
+        bw, n = q.shape[0], q.shape[2]  # q, k, v: [B', h, N, d]
+        pos = _split_heads(self._positional_encoding(window_hw, origin), h)
         with torch.autocast(device_type=q.device.type, enabled=False):
             q = F.relu(q)
             k = F.relu(k + pos.to(dtype))
-            z = key_sum(k, valid)  # [B', 1, C]
-            kv = _split_heads(k, h).transpose(-2, -1) @ _split_heads(v, h)  # [B', h, d, d]
+            z = key_sum(k, valid)  # [B', h, 1, d]
             # numerator and normalizer from one product: q [S | z]
-            s_z = torch.cat([kv, z.view(bw, h, d, 1)], dim=-1)  # [B', h, d, d + 1]
-            num = (_split_heads(q, h) @ s_z).transpose(1, 2)  # [B', N, h, d + 1]
-            # (eps onto [B', N, h]: runtimes broadcast a scalar onto a unit axis slowly)
-            out = num[..., :d] / (num[..., d] + self.eps).unsqueeze(-1)
-            dwc = self.value_conv(v.reshape(bw, *window_hw, c).permute(0, 3, 1, 2))
-            out = out.reshape(bw, n, c) + dwc.permute(0, 2, 3, 1).reshape(bw, n, c)
-        return out.to(in_dtype)
+            s_z = torch.cat([k.transpose(-2, -1) @ v, z.transpose(-2, -1)], dim=-1)
+            num = q @ s_z  # [B', h, N, d + 1]
+            # the DWC per head (its weight shared), on the heads' layout: [B'*h, d, wh, ww]
+            v_map = v.reshape(-1, *window_hw, d).permute(0, 3, 1, 2)
+            dwc = F.conv2d(v_map, self.dwc.weight.to(dtype), _to(self.dwc.bias, dtype),
+                           padding=self.dwc.padding, groups=d)
+            # (eps onto [B', h, N, 1]: runtimes broadcast a scalar onto a unit axis slowly)
+            out = dwc.permute(0, 2, 3, 1).reshape(bw, h, n, d) + \
+                num[..., :d] / (num[..., d:] + self.eps)
+        return _dense(out.transpose(1, 2), in_dtype).view(bw, n, h * d)
 
     def value_conv(self, v_map: Tensor) -> Tensor:
         """The heads' shared DWC as one depth-wise conv over ``C`` channels: ``[B', C, wh,
@@ -197,6 +204,17 @@ class BiNormAttention(Reparameterizable, WindowKernelBase):
             out = F.normalize(q, dim=-1, eps=self.eps) @ kv
         out = out.transpose(1, 2).reshape(out.shape[0], -1, self.embed_dims)
         return out.to(in_dtype) if low else out
+
+
+def _to(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    return None if t is None else t.to(dtype)
+
+
+def _dense(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype`` and contiguous: one copy (a cast with the layout change)."""
+    if t.dtype == dtype:
+        return t.contiguous()
+    return t.to(dtype, memory_format=torch.contiguous_format)
 
 
 def _reject_unused(kwargs: dict, name: str) -> None:

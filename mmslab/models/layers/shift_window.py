@@ -6,8 +6,9 @@ symbolic ints (``torch.compile``) or traced sizes (export: any input size).
 
 Padding follows what the kernel computes. Softmax ``WindowMSA`` attends to padded tokens
 (zero *normalized* tokens, as in mmdet's Swin): padded windows. Kernels that exclude them
-(``masks_padding``: SLA, BiNorm) give the same numbers on padded windows with the padded
-slots masked and on windows cropped to their valid spans, in four groups of equal span
+(``masks_padding``: SLA, BiNorm) give the same numbers on padded windows, whose padded
+slots hold a ``qkv`` that takes no part, and on windows cropped to their valid spans (the
+padded slots of shifted ones masked by ``valid``), in four groups of equal span
 (interior, last column, last row, corner). Cropped on the CPU and in exports, where time is
 arithmetic (SLAB-Swin-T's first stage at 512x512: 16384 tokens in 28224 padded slots); padded
 on a GPU, where time is kernel launches, and under ``torch.compile``, which would recompile
@@ -263,9 +264,9 @@ class ShiftWindowAttention(nn.Module):
             tokens = kernel.qkv(x)
             row = kernel.padded_qkv().to(tokens.dtype).view(1, 1, -1).expand(b, 1, -1)
             windows = torch.cat([tokens, row], dim=1).index_select(1, lay['gather'])
+        # a padded slot's qkv takes no part in a kernel that masks padding: no valid mask
         out = kernel.attend(windows.view(-1, n, 3 * c), self.window_size,
-                            shift_mask=lay.get('shift_mask'),
-                            valid=lay['valid'] if kernel.masks_padding else None)
+                            shift_mask=lay.get('shift_mask'))
         return out.reshape(b, -1, c).index_select(1, lay['slot'])
 
     def _attend_cropped(self, x: Tensor, lay: dict) -> Tensor:

@@ -41,6 +41,8 @@ class WindowKernelBase(nn.Module):
 
     uses_shift_mask: Optional[bool] = None  # see the class docstring: each kernel says
     masks_padding = False
+    #: (``masks_padding``) the key of a padded slot, whose ``q`` and ``V`` are zero
+    padded_key = 0.0
     softmax_options = False
 
     def __init__(self, embed_dims: int, num_heads: int, window_size, qkv_bias: bool = True,
@@ -56,6 +58,7 @@ class WindowKernelBase(nn.Module):
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.proj_drop = nn.Dropout(proj_drop)
         self.register_buffer('qkv_pad', None)  # see the class docstring
+        self._masked_slot: Optional[Tensor] = None  # padded_qkv() of masks_padding, kept
 
     def attend(self, qkv, window_hw: Tuple[int, int], shift_mask=None,
                valid: Optional[Tensor] = None, origin: Tuple[int, int] = (0, 0)) -> Tensor:
@@ -68,12 +71,23 @@ class WindowKernelBase(nn.Module):
         raise NotImplementedError
 
     def padded_qkv(self) -> Tensor:
-        """``[3C]``: a padded slot after ``qkv``: a zero token's (the unfolded bias); zeros
-        for kernels that mask padding."""
+        """``[3C]``: a padded slot after ``qkv``: a zero token's (the unfolded bias); for
+        kernels that mask padding, values that take no part in :meth:`attend` (zero ``q``
+        and ``V``, :attr:`padded_key`), so padded windows carry no ``valid`` mask."""
         if self.qkv_pad is not None:
             return self.qkv_pad
-        if self.masks_padding or self.qkv.bias is None:
-            return self.qkv.weight.new_zeros(self.qkv.out_features)
+        weight = self.qkv.weight
+        if self.masks_padding:  # a constant: built once per device and dtype
+            slot = self._masked_slot
+            if slot is None or (slot.device, slot.dtype) != (weight.device, weight.dtype):
+                with torch.inference_mode(False):  # usable in training afterwards
+                    slot = torch.zeros(3, self.embed_dims, device=weight.device,
+                                       dtype=weight.dtype)
+                    slot[1] = self.padded_key
+                self._masked_slot = slot = slot.view(-1)
+            return slot
+        if self.qkv.bias is None:
+            return weight.new_zeros(self.qkv.out_features)
         return self.qkv.bias
 
     def expect_folded_input_norm(self) -> None:
