@@ -8,7 +8,10 @@ Where a GPU waits on kernel launches rather than on arithmetic (a Swin backbone'
 step at detection sizes), the kernels a step launches are its cost. This counts them, and the
 host syncs, with :class:`mmslab.utils.kernel_count.KernelCounter` (the rule is in its module
 docstring and docs/benchmarks.md), running the code a CUDA tensor runs on CPU tensors
-(``mmslab.run_code_path('cuda')``).
+(``mmslab.run_code_path('cuda')``). The bf16 matrix products and convolutions are computed
+in float32 below the counter (:class:`mmslab.utils.kernel_count.Float32Products`): the same
+operators are counted, and a CPU without bf16 instructions, which emulates them, counts the
+whole-model iterations in minutes.
 
 Parts (``--parts``, default all):
 
@@ -62,8 +65,8 @@ import mmslab  # noqa: E402
 from benchmark_train import build, mmdet_swin, synthetic_batch  # noqa: E402
 from make_tables import fmt_times, nested  # noqa: E402
 from mmslab.benchmark import fused_copy, parse_shape  # noqa: E402
-from mmslab.utils.kernel_count import (RULE, KernelCounter, ModuleRegions,  # noqa: E402
-                                       mmcv_ext_calls)
+from mmslab.utils.kernel_count import (RULE, Float32Products, KernelCounter,  # noqa: E402
+                                       ModuleRegions, mmcv_ext_calls)
 from mmslab.utils.launch import load_config  # noqa: E402
 from mmslab.utils.machine import machine_info, machine_line, machine_slug  # noqa: E402
 
@@ -202,7 +205,7 @@ def warm_layouts(module, inputs) -> None:
 def counted(fn, what: str, top: int, **counter_args) -> dict:
     """:meth:`KernelCounter.summary` of ``fn(counter)``; says what it counted."""
     t0 = time.time()
-    with KernelCounter(**counter_args) as counter:
+    with Float32Products(), KernelCounter(**counter_args) as counter:
         fn(counter)
     print(f'  {what}: {counter.kernels} kernels, {counter.syncs} host syncs '
           f'({time.time() - t0:.0f} s)', flush=True)
@@ -415,6 +418,7 @@ def main(argv=None):
     report = dict(tool='gpu_kernels', command=' '.join(command),
                   date=datetime.date.today().isoformat(), machine=machine_info(),
                   git=git_state(), torch=torch.__version__, rule=RULE, code_path='cuda',
+                  products='float32 (Float32Products)',
                   precision=args.precision, shape=list(args.shape), batch=args.batch,
                   infer_batches=args.infer_batches, reference=CONTROL, mmdet=MMDET,
                   backbones=backbones, models=models, wall_s=time.time() - start)

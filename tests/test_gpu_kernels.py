@@ -11,6 +11,7 @@
   training step makes no host sync.
 * mmslab's training-iteration hooks make no host sync.
 """
+import contextlib
 import copy
 import functools
 import importlib.util
@@ -24,7 +25,8 @@ import torch.nn as nn
 
 import mmslab
 from conftest import REPO
-from mmslab.utils.kernel_count import KernelCounter, ModuleRegions, mmcv_ext_calls
+from mmslab.utils.kernel_count import (Float32Products, KernelCounter, ModuleRegions,
+                                       mmcv_ext_calls)
 from presets import build_preset
 
 #: Counts here equal those at 400x608: every stage has as many windows per side (more than
@@ -179,6 +181,36 @@ def test_counting_changes_no_result():
             seen = step(other)
     for a, b in zip(plain[0] + tuple(plain[1]), seen[0] + tuple(seen[1])):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_float32_products_change_no_count_and_round_as_bf16():
+    """The stand-in for a CPU's emulated bf16 products: the counter above it sees the same
+    operators; the step's outputs and gradients are bf16 rounding apart."""
+    from mmslab.engine.optim_wrapper import cpu_autocast
+    torch.manual_seed(0)
+    model = build_preset('SLABSwin').train()
+    mmslab.set_progressive_iter(model, 2)
+    other = copy.deepcopy(model)
+    x = torch.randn(2, 3, 64, 96)
+
+    def step(m, stand_in):
+        with stand_in, KernelCounter() as c:
+            with cpu_autocast():
+                out = m(x)
+            sum(o.float().pow(2).mean() for o in out).backward()
+        return c, out, [p.grad for p in m.parameters() if p.grad is not None]
+
+    with mmslab.run_code_path('cuda'):
+        native, out_n, grads_n = step(model, contextlib.nullcontext())
+        standin, out_s, grads_s = step(other, Float32Products())
+    assert native.ops == standin.ops and native.ops['convolution_backward'] > 0
+    assert [o.dtype for o in out_n] == [o.dtype for o in out_s]
+    errors = []
+    for a, b in zip(out_n + tuple(grads_n), out_s + tuple(grads_s)):
+        assert a.dtype == b.dtype
+        errors.append(float((a.float() - b.float()).norm() / b.float().norm()))
+    # bf16 rounding (2^-8) apart, and not equal: the products did change
+    assert max(errors) < 0.03 and sum(e > 0 for e in errors) > len(errors) // 2, errors
 
 
 # -- the GPU code path --------------------------------------------------------------------------

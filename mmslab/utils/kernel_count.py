@@ -53,6 +53,7 @@ from typing import Dict, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 aten = torch.ops.aten
@@ -230,6 +231,42 @@ class KernelCounter(TorchDispatchMode):
                            sync_ops=dict(r['sync_ops'].most_common()))
                 for name, r in sorted(self.regions.items())}
         return out
+
+
+#: Matrix products and convolutions: :class:`Float32Products` computes them in float32.
+PRODUCT_OPS = frozenset({'mm', 'addmm', 'bmm', 'baddbmm', 'addbmm', 'mv', 'addmv', 'dot',
+                         'convolution', 'convolution_backward'})
+_LOW_FLOATS = (torch.bfloat16, torch.float16)
+
+
+class Float32Products(TorchDispatchMode):
+    """Compute the bf16 / fp16 matrix products and convolutions (:data:`PRODUCT_OPS`) in
+    float32, their outputs rounded to the input dtype, as a GPU's tensor cores accumulate.
+
+    A CPU without bf16 / fp16 instructions emulates these operators, hundreds of times more
+    slowly than in float32, which makes a counted step at the real input size take hours.
+    Entered *outside* a :class:`KernelCounter`, it computes below the counter: the counter
+    sees each operator once, as called, so the counts are those of the low-precision run;
+    the values differ from the CPU's low-precision kernels by rounding only."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if op_name(func) in PRODUCT_OPS and func._overloadname == 'default':  # no out=
+            tensors = [t for t in pytree.tree_leaves((args, kwargs))
+                       if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            dtypes = {t.dtype for t in tensors}
+            if len(dtypes) == 1 and dtypes <= set(_LOW_FLOATS):
+                low = dtypes.pop()
+
+                def up(t):
+                    return t.float() if isinstance(t, torch.Tensor) and t.dtype == low else t
+
+                def down(t):
+                    return t.to(low) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 \
+                        else t
+                out = func(*pytree.tree_map(up, args), **pytree.tree_map(up, kwargs))
+                return pytree.tree_map(down, out)
+        return func(*args, **kwargs)
 
 
 #: mmcv's compiled ops whose output size depends on the data: on a GPU they read a mask or
