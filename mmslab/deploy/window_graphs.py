@@ -134,7 +134,7 @@ def sla_token_major(self: SLA, qkv: Tuple[Tensor, Tensor, Tensor], window_hw,
         k.reshape(n, -1, h, d).permute(1, 2, 0, 3)  # [B', h, d, d]
     num = s_t @ q_t  # [B', h, d, N]
     den = z.reshape(-1, h, 1, d) @ q_t + self.eps  # [B', h, 1, N]
-    dwc = self.value_conv(v.permute(1, 2, 0).reshape(-1, c, wh, ww))  # [B', C, wh, ww]
+    dwc = self.value_conv(v.permute(1, 2, 0).reshape(-1, d, wh, ww))  # [B'*h, d, wh, ww]
     out = num / den + dwc.reshape(-1, h, d, n)
     return out.reshape(-1, c, n).transpose(1, 2)
 

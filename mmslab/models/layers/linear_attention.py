@@ -140,22 +140,19 @@ class SLA(Reparameterizable, WindowKernelBase):
             # numerator and normalizer from one product: q [S | z]
             s_z = torch.cat([k.transpose(-2, -1) @ v, z.transpose(-2, -1)], dim=-1)
             num = q @ s_z  # [B', h, N, d + 1]
-            # the DWC per head (its weight shared), on the heads' layout: [B'*h, d, wh, ww]
-            v_map = v.reshape(-1, *window_hw, d).permute(0, 3, 1, 2)
-            dwc = F.conv2d(v_map, self.dwc.weight.to(dtype), _to(self.dwc.bias, dtype),
-                           padding=self.dwc.padding, groups=d)
+            # the DWC on the heads' layout: [B'*h, d, wh, ww]
+            dwc = self.value_conv(v.reshape(-1, *window_hw, d).permute(0, 3, 1, 2))
             # (eps onto [B', h, N, 1]: runtimes broadcast a scalar onto a unit axis slowly)
             out = dwc.permute(0, 2, 3, 1).reshape(bw, h, n, d) + \
                 num[..., :d] / (num[..., d:] + self.eps)
         return _dense(out.transpose(1, 2), in_dtype).view(bw, n, h * d)
 
     def value_conv(self, v_map: Tensor) -> Tensor:
-        """The heads' shared DWC as one depth-wise conv over ``C`` channels: ``[B', C, wh,
-        ww]`` -> same, in ``v_map``'s dtype."""
-        h, w, b = self.num_heads, self.dwc.weight, self.dwc.bias
-        return F.conv2d(v_map, w.repeat(h, 1, 1, 1).to(v_map.dtype),
-                        None if b is None else b.repeat(h).to(v_map.dtype),
-                        padding=self.dwc.padding, groups=v_map.shape[1])
+        """The DWC of each head, its weight shared: ``[B'*heads, d, wh, ww]`` -> same, in
+        ``v_map``'s dtype."""
+        dwc = self.dwc
+        return F.conv2d(v_map, dwc.weight.to(v_map.dtype), _to(dwc.bias, v_map.dtype),
+                        padding=dwc.padding, groups=self.head_dims)
 
 
 @register_model()
