@@ -100,6 +100,22 @@ def test_hook_fuses_a_copy_and_saves_unfused_best_checkpoint(data_dir, tmp_path)
     fresh.load_state_dict(state, strict=True)  # an unfused checkpoint
 
 
+def test_a_validation_shorter_than_the_warmup_times_its_last_batch(data_dir, tmp_path):
+    """3 validation images in batches of 2 and 1, default warmup 2: the second batch (one
+    image) is timed, not none."""
+    from mmengine.runner import Runner
+    cfg = seg_cfg(data_dir, tmp_path / 'run', dict(type='ReparamEvalHook'))
+    runner = Runner.from_cfg(Config(cfg))
+    runner.train()
+    with open(osp.join(runner.work_dir, 'latency.json')) as f:
+        lat = json.load(f)
+    assert lat['warmup_batches'] == 1 and lat['images'] == 1
+    assert lat['fused']['count'] == 1 and lat['fused']['median_ms'] > 0
+    with open(osp.join(runner.log_dir, f'{runner.timestamp}.log')) as f:
+        assert 'warmup=2 batches, but this val has 2: the latency is of its last batch' \
+            in f.read()
+
+
 class EvaluatedModelProbe(Hook):
     """Records the model every validation batch ran on, and counts (by a forward hook) the
     calls of that model's backbone."""

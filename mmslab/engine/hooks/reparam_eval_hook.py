@@ -209,7 +209,8 @@ class ReparamEvalHook(Hook):
             (data loading excluded), after ``warmup`` batches: on a CUDA device with CUDA
             events, on the CPU with ``time.perf_counter``
             (:func:`mmslab.utils.timing.timed_ms`). Default: True.
-        warmup (int): batches not timed. Default: 2.
+        warmup (int): batches not timed; an evaluation of no more batches than this times
+            its last one (and says so in the log). Default: 2.
         compare_unfused (bool): also time the unfused model on the same batches,
             alternating which runs first, and report the ratio. The unfused model runs in the
             fused model's precision (this hook's ``precision`` or ``PrecisionHook``'s).
@@ -286,12 +287,29 @@ class ReparamEvalHook(Hook):
         self._saved_model = (original, was_training)
         self._active = dict(mode=mode, inner=inner, fused=fused, fused_ms=[], unfused_ms=[],
                             batches=0, max_diff=None, device=device, precision='fp32',
-                            regions=[], unfused_fallback=False, check=None)
+                            regions=[], unfused_fallback=False, check=None,
+                            warmup=self._warmup_batches(runner, mode))
         if self.precision != 'fp32':
             self._active['regions'].append(
                 AutocastRegions(fused, autocast_dtype(self.precision), device.type))
         self._wrap_step(fused, mode)
         runner.model = fused  # the loop calls runner.model.val_step/test_step on the copy
+
+    def _warmup_batches(self, runner, mode: str) -> int:
+        """``warmup``, or where this rank's evaluation has no more batches than that, all
+        but its last: a short evaluation is timed on one batch rather than on none."""
+        loop = getattr(runner, f'{mode}_loop', None)
+        try:
+            batches = len(loop.dataloader)
+        except (AttributeError, TypeError):  # no loop, or a loader of unknown length
+            return self.warmup
+        if not self.measure_latency or batches > self.warmup:
+            return self.warmup
+        warmup = max(batches - 1, 0)
+        print_log(f'ReparamEvalHook: warmup={self.warmup} batches, but this {mode} has '
+                  f'{batches}: the latency is of its last batch, after {warmup} of warm-up',
+                  logger='current', level=logging.WARNING)
+        return warmup
 
     def _exit(self, runner) -> None:
         if self._saved_model is None:
@@ -325,7 +343,7 @@ class ReparamEvalHook(Hook):
                 self._check(inner, fused, data_batch)
             fallback = active['unfused_fallback']
             n_img = len(data_batch['inputs']) if isinstance(data_batch, dict) else 1
-            timed_run = self.measure_latency and active['batches'] >= self.warmup
+            timed_run = self.measure_latency and active['batches'] >= active['warmup']
             fused_regions = AutocastRegions.of(fused)  # this hook's or PrecisionHook's
             active['precision'] = fused_regions.precision if fused_regions else 'fp32'
             # 'fused': the evaluated model, the unfused one after a failed check
@@ -397,15 +415,14 @@ class ReparamEvalHook(Hook):
         device = active['device']
         result = dict(mode=active['mode'], reparameterized=self.reparam, device=str(device),
                       precision=active['precision'], timing=timing_method(device),
-                      threads=torch.get_num_threads(), warmup_batches=self.warmup,
+                      threads=torch.get_num_threads(), warmup_batches=active['warmup'],
                       world_size=world_size, images=len(fused_ms),
                       images_per_rank=[len(r['fused']) for r in per_rank],
                       fused=fused, max_relative_difference=max(diffs) if diffs else None)
-        if active['batches'] <= self.warmup:
-            runner.logger.warning(
-                f'ReparamEvalHook: warmup={self.warmup} batches but only {active["batches"]} '
-                'ran; latency is reported over all batches instead')
         if fused['count'] == 0 and active['batches']:
+            runner.logger.warning(
+                f"ReparamEvalHook: no batch was timed: the {active['batches']} that ran were "
+                f"all warm-up (warmup={active['warmup']})")
             result['fused'] = dict(count=0, note='all batches were warm-up')
         if self.compare_unfused and self.reparam:
             unfused = _summary(unfused_ms)
