@@ -236,7 +236,7 @@ class KernelCounter(TorchDispatchMode):
 #: Matrix products and convolutions: :class:`Float32Products` computes them in float32.
 PRODUCT_OPS = frozenset({'mm', 'addmm', 'bmm', 'baddbmm', 'addbmm', 'mv', 'addmv', 'dot',
                          'convolution', 'convolution_backward'})
-_LOW_FLOATS = (torch.bfloat16, torch.float16)
+_LOW_FLOATS = frozenset({torch.bfloat16, torch.float16})
 
 
 class Float32Products(TorchDispatchMode):
@@ -252,10 +252,9 @@ class Float32Products(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if op_name(func) in PRODUCT_OPS and func._overloadname == 'default':  # no out=
-            tensors = [t for t in pytree.tree_leaves((args, kwargs))
-                       if isinstance(t, torch.Tensor) and t.is_floating_point()]
-            dtypes = {t.dtype for t in tensors}
-            if len(dtypes) == 1 and dtypes <= set(_LOW_FLOATS):
+            dtypes = {t.dtype for t in pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor) and t.is_floating_point()}
+            if len(dtypes) == 1 and dtypes <= _LOW_FLOATS:
                 low = dtypes.pop()
 
                 def up(t):
