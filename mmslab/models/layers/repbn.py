@@ -58,7 +58,7 @@ class RepBN(FoldableNorm):
         else:
             y = self.bn(x.flatten(2)).view_as(x)
         alpha = self.alpha if alpha_offset is None else self.alpha + alpha_offset
-        return rep_mix(None, y, x, alpha, 0.0)
+        return rep_mix(y, x, alpha, 0.0)
 
     def _fused_affine(self) -> Tuple[Tensor, Tensor]:
         scale, shift = bn_affine(self.bn)
@@ -234,13 +234,13 @@ class PRepBN(FoldableNorm):
         return y.movedim(-1, 1) if channels_first else y
 
     def _mix(self, x: Tensor, g) -> Tensor:
-        """``g * LN(x) + (1 - g) * (BN(x) + alpha * x)``, each norm through its module, in
-        at least float32 (LayerNorm's dtype under autocast: one cast of ``x`` for both
-        norms), handed on in ``x``'s dtype."""
-        ln, rep = self.norm1, self.norm2
+        """``g * LN(x) + (1 - g) * (BN(x) + alpha * x)`` in at least float32 (LayerNorm's
+        dtype under autocast: one cast of ``x`` for both norms), handed on in ``x``'s dtype;
+        the BatchNorm runs as its module (a SyncBatchNorm stays one)."""
+        rep = self.norm2
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         bn = rep.bn(x32.reshape(-1, self.num_features)).view_as(x32)
-        return rep_mix(ln(x32), bn, x32, rep.alpha, g).to(x.dtype)
+        return rep_mix(bn, x32, rep.alpha, g, ln=self.norm1, dtype=x.dtype)
 
     def _fused_affine(self) -> Tuple[Tensor, Tensor]:
         return self.norm2._fused_affine()
@@ -249,57 +249,76 @@ class PRepBN(FoldableNorm):
         return f'{self.num_features}, step={self.step}, r0={self.r0}, warmup={self.warmup}'
 
 
-def rep_mix(ln: Optional[Tensor], bn: Tensor, x: Tensor, alpha: Tensor, g) -> Tensor:
-    """``g * ln + (1 - g) * (bn + alpha * x)`` (``ln`` None: ``g = 0``, RepBN), the outputs of
-    the norms' own modules mixed (a SyncBatchNorm stays one). With gradients it runs as
-    :class:`RepMix`, whose backward is four products where autograd's of the same
-    expression launches about twice as many kernels."""
+def rep_mix(bn: Tensor, x: Tensor, alpha: Tensor, g, ln: Optional[nn.LayerNorm] = None,
+            dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``g * ln(x) + (1 - g) * (bn + alpha * x)`` in ``dtype`` (default: ``x``'s), where
+    ``bn`` is the BatchNorm module's output on ``x`` and ``ln`` the LayerNorm (None:
+    ``g = 0``, RepBN). With gradients and a Python ``g`` it runs as :class:`RepMix`."""
     if torch.is_grad_enabled() and not isinstance(g, Tensor):
-        return RepMix.apply(ln, bn, x, alpha, float(g))
-    return _rep_mix(ln, bn, x, alpha, g)
-
-
-def _rep_mix(ln, bn, x, alpha, g) -> Tensor:
+        weight, bias = (None, None) if ln is None else (ln.weight, ln.bias)
+        return RepMix.apply(bn, x, alpha, weight, bias, float(g), ln, dtype or x.dtype)
     h = 1.0 - g
     if ln is None:
         y = bn
     else:
-        dtype = torch.promote_types(ln.dtype, bn.dtype)  # lerp does not promote
-        y = torch.lerp(ln.to(dtype), bn.to(dtype), h)  # g * ln + h * bn
+        y = ln(x)
+        dtype_mix = torch.promote_types(y.dtype, bn.dtype)  # lerp does not promote
+        y = torch.lerp(y.to(dtype_mix), bn.to(dtype_mix), h)  # g * ln + h * bn
     if isinstance(h, Tensor):  # a compiled mix (PRepBN._schedule)
-        return torch.addcmul(y, x, alpha * h)
-    return torch.addcmul(y, x, alpha, value=h)
+        y = torch.addcmul(y, x, alpha * h)
+    else:
+        y = torch.addcmul(y, x, alpha, value=h)
+    return y.to(dtype or x.dtype)
 
 
 class RepMix(torch.autograd.Function):
-    """:func:`rep_mix` for a Python ``g``, with its gradients as four products: ``ln``'s
-    ``g * grad``, ``bn``'s ``h * grad``, ``x``'s ``alpha * h * grad`` and ``alpha``'s one
-    dot product (``h = 1 - g``; at ``g = 0`` ``bn`` takes ``grad`` itself)."""
+    """:func:`rep_mix` for a Python ``g``, the LayerNorm inside: the forward is the
+    LayerNorm, one ``lerp`` and one ``addcmul`` written in the output dtype; the backward
+    is ``ln``'s ``g * grad``, the LayerNorm's backward, ``bn``'s ``h * grad``, ``alpha``'s
+    dot product and ``x``'s ``dx_ln + alpha * h * grad`` in one ``addcmul_`` (``h = 1 - g``;
+    at ``g = 0`` ``bn`` takes ``grad`` itself): about half of autograd's kernels for the
+    same expression, and no cast of the output or of its gradient."""
 
     @staticmethod
-    def forward(ctx, ln, bn, x, alpha, g: float):
-        ctx.save_for_backward(x, alpha)
-        ctx.g, ctx.has_ln = g, ln is not None
-        return _rep_mix(ln, bn, x, alpha, g)
+    def forward(ctx, bn, x, alpha, weight, bias, g: float, ln, dtype):
+        h = 1.0 - g
+        ctx.g, ctx.has_ln, ctx.bn_dtype = g, ln is not None, bn.dtype
+        out = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+        if ln is None:
+            ctx.save_for_backward(x, alpha)
+            return torch.addcmul(bn, x, alpha, value=h, out=out)
+        ctx.normalized_shape = ln.normalized_shape
+        y, mean, rstd = torch.native_layer_norm(x, ln.normalized_shape, weight, bias, ln.eps)
+        ctx.save_for_backward(x, alpha, weight, bias, mean, rstd)
+        return torch.addcmul(torch.lerp(y, bn.to(y.dtype), h), x, alpha, value=h, out=out)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        x, alpha = ctx.saved_tensors
-        need_ln, need_bn, need_x, need_alpha, _ = ctx.needs_input_grad
+        x, alpha, *ln_saved = ctx.saved_tensors
+        need_bn, need_x, need_alpha, need_w, need_b = ctx.needs_input_grad[:5]
         g = ctx.g
-        grad_ln = grad * g if ctx.has_ln and need_ln else None
         # contiguous: BatchNorm's backward reads it as [N, C] (else a copy of its own)
-        if g == 0.0:
+        if g == 0.0 and grad.dtype == ctx.bn_dtype:
             grad_bn = grad.contiguous()
         else:
-            grad_bn = torch.mul(grad, 1.0 - g,
-                                out=torch.empty_like(grad, memory_format=torch.contiguous_format))
-        grad_x = grad_bn * alpha if need_x else None
+            grad_bn = torch.mul(grad, 1.0 - g, out=torch.empty_like(
+                x, dtype=ctx.bn_dtype, memory_format=torch.contiguous_format))
+        grad_x = grad_w = grad_b = None
+        if ctx.has_ln and (need_x or need_w or need_b):
+            weight, bias, mean, rstd = ln_saved
+            grad_ln = torch.mul(grad, g, out=torch.empty_like(
+                x, memory_format=torch.contiguous_format))
+            grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
+                grad_ln, x, ctx.normalized_shape, mean, rstd, weight, bias,
+                [need_x, need_w and weight is not None, need_b and bias is not None])
+        if need_x:
+            grad_x = grad_bn * alpha if grad_x is None else grad_x.addcmul_(grad_bn, alpha)
         grad_alpha = None
         if need_alpha:
             grad_alpha = torch.dot(grad_bn.reshape(-1), x.reshape(-1).to(grad_bn.dtype))
-        return grad_ln, grad_bn if need_bn else None, grad_x, grad_alpha, None
+        return (grad_bn if need_bn else None, grad_x, grad_alpha, grad_w, grad_b, None, None,
+                None)
 
 
 def _zero_anchor(module: nn.Module) -> Optional[Tensor]:
