@@ -37,12 +37,12 @@ BUDGET_SHAPE = '240x288'
 BUDGETS = {
     'mmdet Swin-T': dict(mid=1470, after=1470, infer=422),
     'LN Swin-T': dict(mid=1580, after=1580, infer=189),
-    'PRepBN-Swin-T': dict(mid=1904, after=1620, infer=161),
-    'SLAB-Swin-T': dict(mid=1882, after=1598, infer=205),
+    'PRepBN-Swin-T': dict(mid=1808, after=1620, infer=161),
+    'SLAB-Swin-T': dict(mid=1786, after=1598, infer=189),
     'RePa-Swin-T': dict(mid=1604, after=1604, infer=189),
     'UN-Swin-T': dict(mid=2759, after=3655, infer=161),
-    'PRepBN-PVT-T': dict(mid=1120, after=938, infer=108),
-    'SLAB-PVT-T': dict(mid=1138, after=1010, infer=188),
+    'PRepBN-PVT-T': dict(mid=1074, after=938, infer=108),
+    'SLAB-PVT-T': dict(mid=1110, after=1010, infer=158),
 }
 #: Backbones whose training step syncs now (xfail, strict: the test fails once they stop).
 SYNCING = {}
@@ -277,7 +277,8 @@ def test_training_step_makes_no_host_sync(name):
 @pytest.mark.slow
 def test_budget_shape_counts_as_400x608_in_the_steady_state():
     """SLAB-Swin-T (windows 56 and 28 in stages 1-2, the ones a small input would fit in one
-    window): the same count at both sizes, and in a second step as in the first."""
+    window): the same count at both sizes, and in a second step as in the first (bf16
+    products in float32, :class:`Float32Products`, as the benchmark counts)."""
     model = gpu_kernels.build_backbone('SLAB-Swin-T')
     mmslab.set_progressive_iter(model, 35000)
     counts = []
@@ -285,7 +286,8 @@ def test_budget_shape_counts_as_400x608_in_the_steady_state():
         for shape in ((240, 288), (400, 608)):
             gpu_kernels.warm_layouts(model, torch.randn(1, 3, *shape))
             step = gpu_kernels.backbone_step(model, shape, 2, 'bf16')
-            counts += [counted(step).kernels for _ in range(2)]
+            with Float32Products():
+                counts += [counted(step).kernels for _ in range(2)]
     assert counts == [counts[0]] * 4, counts
 
 

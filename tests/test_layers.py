@@ -414,14 +414,19 @@ def naive_sla(qkv, pos, dwc, num_heads, grid, valid=None):
 
 
 @pytest.mark.parametrize('heads', [1, 2, 4])
-def test_sla_matches_naive_quadratic_computation(heads):
-    """On the packed qkv and on its three parts."""
+@pytest.mark.parametrize('grad', [True, False])
+def test_sla_matches_naive_quadratic_computation(heads, grad):
+    """On the packed qkv and on its three parts, in the training form (gradients) and the
+    inference form (none: writes through ``out=``, no copies or concatenation)."""
     torch.manual_seed(3)
     sla = SLA(16, heads, 4).double()
     nn.init.normal_(sla.positional_encoding, std=0.5)
     qkv = torch.randn(3, 16, 48, dtype=torch.float64)
-    out = sla.attend(qkv, (4, 4))
-    assert torch.equal(out, sla.attend(qkv.split(16, dim=-1), (4, 4)))
+    with torch.set_grad_enabled(grad):
+        out = sla.attend(qkv, (4, 4))
+        parts = sla.attend(qkv.split(16, dim=-1), (4, 4))
+    assert torch.equal(out, parts) if grad else rel_err(out, parts) <= 1e-12
+    assert out.requires_grad == grad and out.is_contiguous()
     for b in range(3):
         ref = naive_sla(qkv[b], sla.positional_encoding[0], sla.dwc, heads, (4, 4))
         assert rel_err(out[b], ref) <= 1e-10
@@ -514,6 +519,13 @@ def test_sla_windows_of_padded_maps_match_the_padded_formula(shift, sizes, windo
         ref = torch.stack([shifted_sla_reference(attn, x[b], hw) for b in range(2)])
         for b in range(2):
             assert rel_err(out[b], ref[b]) <= 1e-10
+        with torch.no_grad():  # the inference form
+            if sizes == 'padded':
+                infer = attn.w_msa.proj(attn._attend_padded(x, lay))
+            else:
+                infer = attn._attend_cropped(x, attn._layout(*hw, x.device, cropped=True))
+                infer = attn.w_msa.proj(infer)
+        assert rel_err(infer, ref) <= 1e-10
         weights = torch.randn_like(out)
         grads = torch.autograd.grad((out * weights).sum(), [x] + params)
         ref_grads = torch.autograd.grad((ref * weights).sum(), [x] + params)

@@ -22,15 +22,34 @@ from .symbolic import is_traced
 from .window_attention import WindowKernelBase
 
 
-def key_sum(k: Tensor, valid: Optional[Tensor]) -> Tensor:
-    """``[B', heads, N, d]`` keys -> ``[B', heads, 1, d]``: their sum over the valid tokens (a
-    padded key of a cropped window is ``relu(k + p)`` of a token's). A masked sum, not a
-    product with the mask: OpenVINO then keeps ``K^T V`` of an INT8 graph in int8."""
+def key_sum(k: Tensor, valid: Optional[Tensor], out: Optional[Tensor] = None) -> Tensor:
+    """``[B', heads, N, d]`` keys -> ``[B', heads, 1, d]`` (into ``out`` if given): their sum
+    over the valid tokens (a padded key of a cropped window is ``relu(k + p)`` of a token's).
+    A masked sum, not a product with the mask: OpenVINO then keeps ``K^T V`` of an INT8
+    graph in int8."""
     if valid is None:
-        return k.sum(dim=-2, keepdim=True)
+        return torch.sum(k, dim=-2, keepdim=True, out=out)
     nw, h, n, d = valid.shape[0], *k.shape[1:]
     keep = valid.to(k.dtype).view(nw, 1, n, 1)
-    return (k.reshape(-1, nw, h, n, d) * keep).sum(dim=-2, keepdim=True).reshape(-1, h, 1, d)
+    masked = k.reshape(-1, nw, h, n, d) * keep
+    if out is None:
+        return masked.sum(dim=-2, keepdim=True).reshape(-1, h, 1, d)
+    return torch.sum(masked, dim=-2, keepdim=True, out=out.view(-1, nw, h, 1, d))
+
+
+def kv_and_key_sum(k: Tensor, v: Tensor, valid: Optional[Tensor], inference: bool) -> Tensor:
+    """``[S | z]`` ``[B', heads, d, d + 1]``: ``S = K^T V`` and the key sum ``z`` (see
+    :func:`key_sum`) as its last column; in inference each written into its part of one
+    tensor, with no concatenation."""
+    if not inference:
+        return torch.cat([k.transpose(-2, -1) @ v, key_sum(k, valid).transpose(-2, -1)],
+                         dim=-1)
+    bw, h, n, d = k.shape
+    s_z = k.new_empty((bw, h, d, d + 1))
+    torch.bmm(k.view(-1, n, d).transpose(1, 2), v.reshape(-1, n, d),
+              out=s_z.view(-1, d, d + 1)[..., :d])
+    key_sum(k, valid, out=s_z[..., d:].transpose(-2, -1))
+    return s_z
 
 
 def sla_dtype(q: Tensor) -> torch.dtype:
@@ -40,6 +59,14 @@ def sla_dtype(q: Tensor) -> torch.dtype:
     if q.dtype == torch.bfloat16 and not torch.is_grad_enabled():
         return q.dtype
     return torch.promote_types(q.dtype, torch.float32)
+
+
+def _inference_form() -> bool:
+    """Whether SLA runs its inference form, the same sums in fewer kernels: without
+    gradients and outside a trace (it writes through ``out=``, which autograd and the ONNX
+    exporter do not take, and uses ``addcdiv``, which the exporter lacks)."""
+    return not torch.is_grad_enabled() and not torch.jit.is_tracing() and \
+        not torch.compiler.is_compiling()
 
 
 def _split_heads(t: Tensor, num_heads: int) -> Tensor:
@@ -122,30 +149,51 @@ class SLA(Reparameterizable, WindowKernelBase):
     def attend(self, qkv, window_hw: Tuple[int, int], shift_mask=None,
                valid: Optional[Tensor] = None, origin: Tuple[int, int] = (0, 0)) -> Tensor:
         """Eq. 9 of the SLAB paper per head (see
-        :meth:`~mmslab.models.layers.window_attention.WindowKernelBase.attend`)."""
-        h, d = self.num_heads, self.head_dims
-        if isinstance(qkv, Tensor):  # one copy into the heads' layout (in the sums' dtype)
-            in_dtype, dtype = qkv.dtype, sla_dtype(qkv)
-            bw, n = qkv.shape[:2]
-            q, k, v = _dense(qkv.view(bw, n, 3, h, d).permute(2, 0, 3, 1, 4), dtype).unbind(0)
-        else:
-            in_dtype, dtype = qkv[0].dtype, sla_dtype(qkv[0])
-            q, k, v = (_dense(_split_heads(t, h), dtype) for t in qkv)
-        bw, n = q.shape[0], q.shape[2]  # q, k, v: [B', h, N, d]
-        pos = _split_heads(self._positional_encoding(window_hw, origin), h)
+        :meth:`~mmslab.models.layers.window_attention.WindowKernelBase.attend`). Without
+        gradients (:func:`_inference_form`) the same sums take fewer kernels: writes through
+        ``out=`` replace the copies and the concatenation."""
+        inference = _inference_form()
+        in_dtype = (qkv if isinstance(qkv, Tensor) else qkv[0]).dtype
+        dtype = sla_dtype(qkv if isinstance(qkv, Tensor) else qkv[0])
+        q, k, v = self._heads(qkv, self._positional_encoding(window_hw, origin), dtype,
+                              inference)  # relu(q), relu(k + p), v: [B', h, N, d]
+        bw, h, n, d = q.shape
         with torch.autocast(device_type=q.device.type, enabled=False):
-            q = F.relu(q)
-            k = F.relu(k + pos.to(dtype))
-            z = key_sum(k, valid)  # [B', h, 1, d]
             # numerator and normalizer from one product: q [S | z]
-            s_z = torch.cat([k.transpose(-2, -1) @ v, z.transpose(-2, -1)], dim=-1)
-            num = q @ s_z  # [B', h, N, d + 1]
+            num = q @ kv_and_key_sum(k, v, valid, inference)  # [B', h, N, d + 1]
             # the DWC on the heads' layout: [B'*h, d, wh, ww]
             dwc = self.value_conv(v.reshape(-1, *window_hw, d).permute(0, 3, 1, 2))
+            dwc = dwc.permute(0, 2, 3, 1).reshape(bw, h, n, d)
             # (eps onto [B', h, N, 1]: runtimes broadcast a scalar onto a unit axis slowly)
-            out = dwc.permute(0, 2, 3, 1).reshape(bw, h, n, d) + \
-                num[..., :d] / (num[..., d:] + self.eps)
-        return _dense(out.transpose(1, 2), in_dtype).view(bw, n, h * d)
+            den = num[..., d:] + self.eps
+            if not inference:
+                out = dwc + num[..., :d] / den
+                return _dense(out.transpose(1, 2), in_dtype).view(bw, n, h * d)
+            out = q.new_empty((bw, n, h, d), dtype=in_dtype)  # written in token layout
+            torch.addcdiv(dwc, num[..., :d], den, out=out.transpose(1, 2))
+        return out.view(bw, n, h * d)
+
+    def _heads(self, qkv, pos: Tensor, dtype: torch.dtype,
+               inference: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        """``relu(q)``, ``relu(k + p)`` and ``v`` in the heads' layout ``[B', h, N, d]`` and in
+        ``dtype``, from ``qkv`` ``[B', N, 3C]`` (one copy; in inference an add that puts
+        ``p`` on the keys' slots and one ``relu`` of q and k) or its three parts."""
+        h, d = self.num_heads, self.head_dims
+        if not isinstance(qkv, Tensor):
+            q, k, v = (_dense(_split_heads(t, h), dtype) for t in qkv)
+        elif inference:
+            bw, n = qkv.shape[:2]
+            slots = F.pad(pos, (self.embed_dims, self.embed_dims)).view(1, n, 3, h, d)
+            heads = qkv.new_empty((3, bw, h, n, d), dtype=dtype)
+            torch.add(qkv.view(bw, n, 3, h, d).permute(2, 0, 3, 1, 4),
+                      slots.permute(2, 0, 3, 1, 4), out=heads)
+            heads[:2].relu_()
+            return heads.unbind(0)
+        else:
+            bw, n = qkv.shape[:2]
+            q, k, v = _dense(qkv.view(bw, n, 3, h, d).permute(2, 0, 3, 1, 4), dtype).unbind(0)
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            return F.relu(q), F.relu(k + _split_heads(pos, h).to(dtype)), v
 
     def value_conv(self, v_map: Tensor) -> Tensor:
         """The DWC of each head, its weight shared: ``[B'*heads, d, wh, ww]`` -> same, in
