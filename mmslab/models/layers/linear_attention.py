@@ -153,8 +153,8 @@ class SLA(Reparameterizable, WindowKernelBase):
         gradients (:func:`_inference_form`) the same sums take fewer kernels: writes through
         ``out=`` replace the copies and the concatenation."""
         inference = _inference_form()
-        in_dtype = (qkv if isinstance(qkv, Tensor) else qkv[0]).dtype
-        dtype = sla_dtype(qkv if isinstance(qkv, Tensor) else qkv[0])
+        first = qkv if isinstance(qkv, Tensor) else qkv[0]
+        in_dtype, dtype = first.dtype, sla_dtype(first)
         q, k, v = self._heads(qkv, self._positional_encoding(window_hw, origin), dtype,
                               inference)  # relu(q), relu(k + p), v: [B', h, N, d]
         bw, h, n, d = q.shape

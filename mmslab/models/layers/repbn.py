@@ -282,7 +282,7 @@ class RepMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, bn, x, alpha, weight, bias, g: float, ln, dtype):
         h = 1.0 - g
-        ctx.g, ctx.has_ln, ctx.bn_dtype = g, ln is not None, bn.dtype
+        ctx.g, ctx.bn_dtype = g, bn.dtype
         out = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
         if ln is None:
             ctx.save_for_backward(x, alpha)
@@ -305,7 +305,7 @@ class RepMix(torch.autograd.Function):
             grad_bn = torch.mul(grad, 1.0 - g, out=torch.empty_like(
                 x, dtype=ctx.bn_dtype, memory_format=torch.contiguous_format))
         grad_x = grad_w = grad_b = None
-        if ctx.has_ln and (need_x or need_w or need_b):
+        if ln_saved and (need_x or need_w or need_b):
             weight, bias, mean, rstd = ln_saved
             grad_ln = torch.mul(grad, g, out=torch.empty_like(
                 x, memory_format=torch.contiguous_format))
