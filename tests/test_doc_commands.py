@@ -8,12 +8,12 @@ script's ``--help``. A shell wrapper's flags are checked against the Python scri
 """
 import functools
 import glob
+import json
 import os
 import os.path as osp
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -43,6 +43,47 @@ def python_scripts_run_by(script):
     return [py for py in paths if osp.isfile(osp.join(REPO, py))]
 
 
+#: Each script's ``--help`` run as ``__main__`` (its own folder first on ``sys.path``, as when
+#: run directly), all in one process: one import of torch and mmslab instead of one a script.
+HELP_ALL = r"""
+import contextlib, io, json, os, runpy, sys
+helps = {}
+for path in sys.argv[1:]:
+    out = io.StringIO()
+    sys.argv = [path, '--help']
+    sys.path.insert(0, os.path.dirname(path))
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_path(path, run_name='__main__')
+        code = 'no exit'
+    except SystemExit as e:
+        code = e.code or 0
+    finally:
+        sys.path.pop(0)
+    helps[path] = dict(code=code, text=out.getvalue())
+print(json.dumps(helps))
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def python_help(scripts):
+    """``{script: (exit code, text)}`` of ``--help`` for a tuple of Python scripts."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, '-c', HELP_ALL, *scripts], cwd=REPO, env=env,
+                          text=True, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    helps = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {s: (helps[s]['code'], helps[s]['text']) for s in scripts}
+
+
+def documented_python_scripts():
+    """Every Python script the docs run, directly or through a shell script."""
+    scripts = {script for doc in DOCS for script, _ in commands(open(osp.join(REPO, doc)).read())
+               if osp.isfile(osp.join(REPO, script))}
+    return tuple(sorted({py for s in scripts for py in
+                         (python_scripts_run_by(s) if s.endswith('.sh') else [s])}))
+
+
 @functools.lru_cache(maxsize=None)
 def accepted_flags(script):
     """The long options of a script: its ``--help`` (Python), or for a shell script those of
@@ -53,27 +94,12 @@ def accepted_flags(script):
         for py in python_scripts_run_by(script):
             flags |= accepted_flags(py)
         return frozenset(flags)
-    env = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, path, '--help'], cwd=REPO, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
-    assert proc.returncode == 0, f'{script} --help failed:\n{proc.stdout[-2000:]}'
-    return frozenset(FLAG.findall(proc.stdout))
+    code, text = python_help(documented_python_scripts())[script]
+    assert code == 0, f'{script} --help failed ({code}):\n{text[-2000:]}'
+    return frozenset(FLAG.findall(text))
 
 
-@pytest.fixture(scope='module')
-def all_help_read():
-    """The ``--help`` of every Python script the docs run, directly or through a shell
-    script, a process per core at a time."""
-    scripts = {script for doc in DOCS for script, _ in commands(open(osp.join(REPO, doc)).read())
-               if osp.isfile(osp.join(REPO, script))}
-    python = {py for s in scripts for py in
-              (python_scripts_run_by(s) if s.endswith('.sh') else [s])}
-    with ThreadPoolExecutor(os.cpu_count()) as pool:
-        list(pool.map(accepted_flags, sorted(python)))
-
-
-@pytest.mark.slow  # every script's --help in a subprocess (each imports torch and mmslab)
-@pytest.mark.usefixtures('all_help_read')
+@pytest.mark.slow  # every script's --help (one process importing torch and mmslab)
 @pytest.mark.parametrize('doc', DOCS)
 def test_documented_commands_exist(doc):
     problems = []
