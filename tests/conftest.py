@@ -14,6 +14,9 @@ import torch.nn as nn
 # stream of that test, closed before any later test's progress bar writes to it.
 import mmengine.utils.progressbar  # noqa: F401
 
+#: Fixtures built once a session, shared by several test modules.
+pytest_plugins = ['deployed_models']
+
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOLS = osp.join(REPO, 'tools')
 

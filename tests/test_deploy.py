@@ -2,11 +2,10 @@
 height and width, onnxruntime and OpenVINO, INT8) and tools/test.py ``--backend
 onnxruntime|openvino --export-dir DIR`` (the deployed model evaluated).
 
-Tiny models as in test_distributed.py: a PRepBN Swin (embed_dims 16, depths 1-1-1-1, window
-4) in Mask R-CNN (96 px COCO demo) and in UperNet (64 px ADE20K demo), trained for 2
-iterations with tools/train.py so the checkpoints have a trained, fusable structure; real
-photographs (matplotlib's sample photograph, its crops and transposes) for sizes and
-orientations the square demo images do not have. What trains, exports or runs a tool is
+The tiny trained models and their exports are the session's fixtures of
+deployed_models.py (shared with test_precision.py); real photographs (matplotlib's sample
+photograph, its crops and transposes) for sizes and orientations the square demo images do
+not have. What trains, exports or runs a tool is
 marked ``slow`` (``bash tools/run_tests.sh --fast`` leaves it out).
 """
 import copy
@@ -22,20 +21,10 @@ import pytest
 import torch
 
 from conftest import load_tool, make_photo_coco
+from deployed_models import ENV, export
 from tool_runs import exit_message
 from test_tools_e2e import (TOOLS, det_config, demo_data,  # noqa: F401
                             parse_metrics, run_tool, tiny_prepbn_swin_config, write_config)
-
-ENV = dict(OMP_NUM_THREADS='1')
-
-
-def export(config, out, *extra, checkpoint=None, cwd=None):
-    args = [sys.executable, osp.join(TOOLS, 'export_onnx.py'), config]
-    args += [checkpoint] if checkpoint else ['--random-weights']
-    args += ['--out', out, '--threads', '1', '--eval-images', '2', *extra]
-    output = run_tool(args, cwd=cwd or osp.dirname(out), env=ENV)
-    with open(osp.join(out, 'export.json')) as f:
-        return json.load(f), output
 
 
 def assert_parity(report: dict, runtimes=('onnxruntime', 'openvino'), min_images=5):
@@ -44,66 +33,6 @@ def assert_parity(report: dict, runtimes=('onnxruntime', 'openvino'), min_images
         records = report['runtimes'][runtime]['fp32']
         assert len(records) >= min_images, records  # dynamic: other sizes, both orientations
         assert all(within_fp32_tolerance(r) for r in records.values()), (runtime, records)
-
-
-# ----------------------------------------------------------------------------------------------
-# fixtures: configs, 2-iteration checkpoints, exports of them
-# ----------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope='module')
-def tiny_config(demo_data, tmp_path_factory):  # noqa: F811
-    """{task: dict(root, config, cfg, work_dir)}: the configs, written lazily (no training)."""
-    cache = {}
-
-    def get(task):
-        if task not in cache:
-            root = tmp_path_factory.mktemp(f'deploy_{task}')
-            work_dir = root / 'work_dir'
-            cfg = tiny_prepbn_swin_config(task, demo_data[task], work_dir)
-            if task == 'det':  # detections to compare, from a 2-iteration model
-                cfg['model']['test_cfg']['rcnn']['score_thr'] = 0.0
-            config = write_config(root / f'tiny_swin_{task}.py', cfg)
-            cache[task] = dict(root=root, config=config, cfg=cfg, work_dir=work_dir)
-        return cache[task]
-
-    return get
-
-
-@pytest.fixture(scope='module')
-def tiny(tiny_config):
-    """{task: dict(root, config, checkpoint)}, trained lazily with tools/train.py."""
-    cache = {}
-
-    def get(task):
-        if task not in cache:
-            run = tiny_config(task)
-            run_tool([sys.executable, osp.join(TOOLS, 'train.py'), run['config']],
-                     cwd=run['root'], env=ENV)
-            ckpt = run['work_dir'] / 'iter_2.pth'
-            assert ckpt.is_file()
-            cache[task] = dict(root=run['root'], config=run['config'], checkpoint=str(ckpt),
-                               cfg=run['cfg'])
-        return cache[task]
-
-    return get
-
-
-@pytest.fixture(scope='module')
-def exported(tiny):
-    """The trained tiny models exported whole with the defaults (dynamic H, W), fp32 + INT8
-    calibrated on 2 training images, both runtimes."""
-    cache = {}
-
-    def get(task):
-        if task not in cache:
-            run = tiny(task)
-            out = str(run['root'] / 'export')
-            report, output = export(run['config'], out, '--int8', '--calib-images', '2',
-                                    checkpoint=run['checkpoint'], cwd=run['root'])
-            cache[task] = dict(run, export_dir=out, report=report, output=output)
-        return cache[task]
-
-    return get
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import load_tool
-from test_deploy import _test, exported, load_predictions, tiny, tiny_config  # noqa: F401
+from test_deploy import _test, load_predictions
 from test_tools_e2e import demo_data, det_config, seg_config, write_config  # noqa: F401
 from tool_runs import exit_message
 
