@@ -221,9 +221,10 @@ def train_counts(model, name: str, args, points) -> dict:
         mmslab.set_progressive_iter(model, it - prime - 1)
         warm_layouts(model, torch.randn(1, 3, *args.shape))
         prime_step = backbone_step(model, PRIME_SHAPE, args.batch, args.precision)
-        for j in range(prime):  # UN: its windows filled, as after `prime` iterations
-            mmslab.set_progressive_iter(model, it - prime + j)
-            prime_step()
+        with Float32Products():  # uncounted: products in float32, as in the counts
+            for j in range(prime):  # UN: its windows filled, as after `prime` iterations
+                mmslab.set_progressive_iter(model, it - prime + j)
+                prime_step()
         mmslab.set_progressive_iter(model, it)
         step = backbone_step(model, args.shape, args.batch, args.precision)
         what = f'{name} training step' + (f', {phase} (iteration {it})' if points else '')
