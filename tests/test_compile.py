@@ -67,8 +67,8 @@ def graphs_per_call(model, sizes, **compile_kwargs):
     return counts
 
 
+# (the fused RePa-Swin: test_dynamic_compile_is_one_graph_from_the_start, at the same sizes)
 @pytest.mark.parametrize('name, fused', [
-    pytest.param('RePaSwin', True, marks=pytest.mark.slow),
     pytest.param('SLABSwin', True, marks=pytest.mark.slow),
     pytest.param('LN', True, marks=pytest.mark.slow),
     pytest.param('PRepBNSwin', False, marks=pytest.mark.slow),
