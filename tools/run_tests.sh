@@ -2,7 +2,7 @@
 # Install whatever is missing, lint (ruff, pyproject.toml), then run the test suite:
 #   bash tools/run_tests.sh [--fast] [pytest args]
 # --fast skips the tests marked slow (builds, multi-process training, end-to-end tool runs,
-# torch.compile, the longer exports): about 5 minutes on 2 cores instead of 14-18.
+# torch.compile, the longer exports); README.md says how long each lane takes.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$REPO/tools/install_deps.sh"
