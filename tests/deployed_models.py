@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from conftest import TOOLS
-from tool_runs import run_tool, tiny_prepbn_swin_config, write_config
+from tool_runs import make_demo_sets, run_tool, tiny_prepbn_swin_config, write_config
 
 #: One thread a tool process: the test processes share 2 cores.
 ENV = dict(OMP_NUM_THREADS='1')
@@ -34,12 +34,7 @@ def export(config, out, *extra, checkpoint=None, cwd=None):
 @pytest.fixture(scope='session')
 def deploy_demo_data(tmp_path_factory):
     """The demo sets of the deployed models (their own: no other test writes beside them)."""
-    from mmslab.datasets import make_ade_demo, make_coco_demo
-    root = tmp_path_factory.mktemp('deploy_demo_data')
-    coco, ade = root / 'coco', root / 'ade'
-    make_coco_demo(str(coco), num_train=8, num_val=4, img_size=96, seed=0, progress=False)
-    make_ade_demo(str(ade), num_train=8, num_val=4, img_size=64, seed=0, progress=False)
-    return dict(det=coco, seg=ade / 'ADEChallengeData2016')
+    return make_demo_sets(tmp_path_factory.mktemp('deploy_demo_data'))
 
 
 @pytest.fixture(scope='session')

@@ -5,8 +5,8 @@ onnxruntime|openvino --export-dir DIR`` (the deployed model evaluated).
 The tiny trained models and their exports are the session's fixtures of
 deployed_models.py (shared with test_precision.py); real photographs (matplotlib's sample
 photograph, its crops and transposes) for sizes and orientations the square demo images do
-not have. What trains, exports or runs a tool is
-marked ``slow`` (``bash tools/run_tests.sh --fast`` leaves it out).
+not have. What trains, exports or runs a tool is marked ``slow`` (``bash tools/run_tests.sh
+--fast`` leaves it out).
 """
 import copy
 import json

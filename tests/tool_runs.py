@@ -278,11 +278,15 @@ def tiny_prepbn_swin_config(task: str, data_root, work_dir, body_step: int = 2,
     return cfg
 
 
-@pytest.fixture(scope='module')
-def demo_data(tmp_path_factory):
+def make_demo_sets(root) -> dict:
+    """The tools' demo sets under ``root``: {'det': the COCO root, 'seg': the ADE20K root}."""
     from mmslab.datasets import make_ade_demo, make_coco_demo
-    root = tmp_path_factory.mktemp('demo_data')
     coco, ade = root / 'coco', root / 'ade'
     make_coco_demo(str(coco), num_train=8, num_val=4, img_size=96, seed=0, progress=False)
     make_ade_demo(str(ade), num_train=8, num_val=4, img_size=64, seed=0, progress=False)
     return dict(det=coco, seg=ade / 'ADEChallengeData2016')
+
+
+@pytest.fixture(scope='module')
+def demo_data(tmp_path_factory):
+    return make_demo_sets(tmp_path_factory.mktemp('demo_data'))
